@@ -1,0 +1,232 @@
+"""What this machine can run ranks on, detected without initialising CUDA.
+
+The report is read by the launcher (defaults, validation), the notebook panel, the
+JupyterLab server extension and the CLI. GPUs are found with ``nvidia-smi`` (the
+driver's own tool) rather than ``torch.cuda``, because a CUDA context created in the
+kernel makes every later ``fork`` unsafe. Tests fake the hardware by putting a fake
+``nvidia-smi`` on PATH or by setting the platform's environment variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+PRECISIONS = ("no", "fp16", "bf16", "fp8")
+_NVIDIA_SMI_TIMEOUT_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    name: str
+    memory_mib: int
+    compute_capability: str  # "9.0"; "" where the driver does not say
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareReport:
+    cpu_count: int
+    gpus: tuple[GpuInfo, ...]
+    driver_version: str | None
+    tpu_cores: int
+    mps_available: bool
+    platform: str  # "colab", "kaggle", "tpu-vm" or "local"
+    python_version: str
+    torch_version: str | None
+    torch_xla_version: str | None
+
+    @property
+    def accelerator(self) -> str:
+        """The device kind ranks run on by default: "cuda", "tpu", "mps" or "cpu"."""
+        if self.gpus:
+            return "cuda"
+        if self.tpu_cores:
+            return "tpu"
+        if self.mps_available:
+            return "mps"
+        return "cpu"
+
+    @property
+    def default_num_processes(self) -> int:
+        if self.gpus:
+            return len(self.gpus)
+        if self.tpu_cores:
+            return self.tpu_cores
+        if self.mps_available:
+            return 1
+        return min(2, self.cpu_count) or 1
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["accelerator"] = self.accelerator
+        data["default_num_processes"] = self.default_num_processes
+        data["precisions"] = precision_support(self)
+        return data
+
+
+def precision_support(report: HardwareReport, accelerator: str | None = None) -> dict[str, str | None]:
+    """Map each precision to None when ``accelerator`` can run it, else to the reason it can't."""
+    accelerator = accelerator or report.accelerator
+    support: dict[str, str | None] = {"no": None, "bf16": None, "fp16": None, "fp8": None}
+    if accelerator == "cuda":
+        caps = [_capability(g) for g in report.gpus]
+        names = ", ".join(sorted({g.name for g in report.gpus})) or "this GPU"
+        if any(c < (8, 0) for c in caps):
+            support["bf16"] = f"bf16 needs an Ampere or newer GPU (compute capability 8.0); {names} is older"
+        if not all(c >= (8, 9) for c in caps):
+            support["fp8"] = (
+                f"fp8 needs a Hopper or Ada GPU (compute capability 8.9 or 9.0, e.g. H100); {names} has none"
+            )
+    elif accelerator == "tpu":
+        support["fp16"] = "fp16 is not supported on TPU; use bf16"
+        support["fp8"] = "fp8 needs a Hopper-class NVIDIA GPU; this machine has TPU cores"
+    else:
+        device = "CPU" if accelerator == "cpu" else accelerator.upper()
+        support["fp16"] = (
+            f"fp16 training needs a CUDA GPU (gradient scaling); this machine runs ranks on {device}: use bf16"
+        )
+        support["fp8"] = f"fp8 needs a Hopper-class NVIDIA GPU; this machine runs ranks on {device}"
+    return support
+
+
+def _capability(gpu: GpuInfo) -> tuple[int, int]:
+    try:
+        major, minor = gpu.compute_capability.split(".")
+        return int(major), int(minor)
+    except ValueError:
+        return (0, 0)
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_report() -> HardwareReport:
+    return _detect()
+
+
+def detect(refresh: bool = False) -> HardwareReport:
+    """The hardware report; cached per process since hardware does not change under a kernel."""
+    if refresh:
+        _cached_report.cache_clear()
+    return _cached_report()
+
+
+def _detect() -> HardwareReport:
+    gpus, driver = _detect_gpus()
+    return HardwareReport(
+        cpu_count=available_cpu_count(),
+        gpus=gpus,
+        driver_version=driver,
+        tpu_cores=_detect_tpu_cores(),
+        mps_available=_detect_mps(),
+        platform=detect_platform(),
+        python_version=platform.python_version(),
+        torch_version=_version_of("torch"),
+        torch_xla_version=_version_of("torch_xla") or _version_of("torch-xla"),
+    )
+
+
+def available_cpu_count() -> int:
+    """Cores this process may run on (the affinity mask, which containers narrow)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def detect_platform(environ: os._Environ[str] | dict[str, str] | None = None) -> str:
+    env = os.environ if environ is None else environ
+    if "COLAB_RELEASE_TAG" in env or "COLAB_GPU" in env or "google.colab" in sys.modules:
+        return "colab"
+    if "KAGGLE_KERNEL_RUN_TYPE" in env or "KAGGLE_URL_BASE" in env:
+        return "kaggle"
+    if "TPU_ACCELERATOR_TYPE" in env or "TPU_WORKER_ID" in env:
+        return "tpu-vm"
+    return "local"
+
+
+def _detect_gpus() -> tuple[tuple[GpuInfo, ...], str | None]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1", "none", "NoDevFiles"):
+        return (), None
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return (), None
+    try:
+        out = subprocess.run(
+            [
+                smi,
+                "--query-gpu=index,name,memory.total,compute_cap,driver_version",
+                "--format=csv,noheader,nounits",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=_NVIDIA_SMI_TIMEOUT_S,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return (), None
+    gpus: list[GpuInfo] = []
+    driver: str | None = None
+    for line in out.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) < 5 or not fields[0].isdigit():
+            continue
+        memory = int(fields[2]) if fields[2].isdigit() else 0
+        gpus.append(GpuInfo(int(fields[0]), fields[1], memory, fields[3].replace("[N/A]", "")))
+        driver = fields[4]
+    return _apply_visible_devices(gpus, visible), driver
+
+
+def _apply_visible_devices(gpus: list[GpuInfo], visible: str | None) -> tuple[GpuInfo, ...]:
+    """Keep the GPUs CUDA_VISIBLE_DEVICES shows, renumbered as CUDA will see them."""
+    if visible is None:
+        return tuple(gpus)
+    by_index = {g.index: g for g in gpus}
+    shown: list[GpuInfo] = []
+    for token in visible.split(","):
+        token = token.strip()
+        if not token.isdigit() or int(token) not in by_index:
+            break  # CUDA stops at the first entry it cannot resolve (UUIDs are not mapped here)
+        shown.append(dataclasses.replace(by_index[int(token)], index=len(shown)))
+    return tuple(shown)
+
+
+def _detect_tpu_cores() -> int:
+    # Detection by environment and device files only: importing torch_xla starts its runtime.
+    if "TPU_NUM_DEVICES" in os.environ and os.environ["TPU_NUM_DEVICES"].isdigit():
+        return int(os.environ["TPU_NUM_DEVICES"])
+    accel = [d for d in _listdir("/dev") if d.startswith("accel") and d[5:].isdigit()]
+    if accel and importlib.util.find_spec("torch_xla") is not None:
+        return len(accel)
+    if "COLAB_TPU_ADDR" in os.environ or "TPU_ACCELERATOR_TYPE" in os.environ:
+        return 8
+    return 0
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _detect_mps() -> bool:
+    if sys.platform != "darwin" or "torch" not in sys.modules:
+        return False
+    import torch
+
+    return bool(torch.backends.mps.is_available())
+
+
+def _version_of(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
