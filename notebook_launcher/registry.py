@@ -1,0 +1,124 @@
+"""The launches running now on this machine, shared between kernels and the Jupyter server.
+
+Each launch writes one small JSON record into the Jupyter runtime directory and removes
+it when it ends; the server extension lists the records and asks for a stop by creating
+a marker file next to a record, which the launch's monitor loop notices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass
+class LaunchRecord:
+    launch_id: str
+    kernel_id: str | None
+    kernel_pid: int
+    num_processes: int
+    accelerator: str
+    mixed_precision: str
+    start_method: str
+    state: str  # "starting", "running" or "stopping"
+    started_at: float  # seconds since the epoch
+    rank_pids: list[int] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def registry_dir() -> Path:
+    from jupyter_core.paths import jupyter_runtime_dir
+
+    return Path(jupyter_runtime_dir()) / "notebook_launcher" / "launches"
+
+
+def current_kernel_id() -> str | None:
+    """The id of the Jupyter kernel this process is, from its connection file's name."""
+    try:
+        from ipykernel.connect import get_connection_file
+
+        name = Path(get_connection_file()).name
+    except Exception:  # not a kernel, or ipykernel absent
+        return None
+    if name.startswith("kernel-") and name.endswith(".json"):
+        return name[len("kernel-") : -len(".json")]
+    return None
+
+
+class RegisteredLaunch:
+    """The record of one running launch, owned by the kernel that runs it."""
+
+    def __init__(self, record: LaunchRecord) -> None:
+        self.record = record
+        self._dir = registry_dir()
+        self._path = self._dir / f"{record.launch_id}.json"
+        self._stop_path = self._dir / f"{record.launch_id}.stop"
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._write()
+
+    def update(self, **changes: Any) -> None:
+        self.record = dataclasses.replace(self.record, **changes)
+        self._write()
+
+    def stop_requested(self) -> bool:
+        return self._stop_path.exists()
+
+    def close(self) -> None:
+        for path in (self._path, self._stop_path):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    def _write(self) -> None:
+        _atomic_write_json(self._path, self.record.to_dict())
+
+
+def list_launches() -> list[LaunchRecord]:
+    """Records of launches whose kernel is alive; records left by dead kernels are removed."""
+    records: list[LaunchRecord] = []
+    directory = registry_dir()
+    for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
+        try:
+            record = LaunchRecord(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue  # being written, or not ours
+        if _pid_alive(record.kernel_pid):
+            records.append(record)
+        else:
+            for stale in (path, path.with_suffix(".stop")):
+                with contextlib.suppress(FileNotFoundError):
+                    stale.unlink()
+    return sorted(records, key=lambda r: r.started_at)
+
+
+def request_stop(launch_id: str) -> bool:
+    """Ask a running launch to stop its ranks; False when no such launch runs."""
+    if not launch_id.isalnum():  # it names a file: refuse anything path-like
+        return False
+    directory = registry_dir()
+    if not any(r.launch_id == launch_id for r in list_launches()):
+        return False
+    (directory / f"{launch_id}.stop").write_text(str(time.time()))
+    return True
+
+
+def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
