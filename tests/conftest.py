@@ -31,8 +31,19 @@ def rank_processes(pid: int | None = None) -> list[psutil.Process]:
     return found
 
 
+@pytest.fixture(scope="session")
+def _process_wide_state():
+    """Create what lives once per process, so leak checks see only per-launch leftovers.
+
+    torch's libuv TCPStore opens one pipe pair the first time a store starts and keeps it.
+    """
+    from notebook_launcher.launcher.store import RendezvousStore, bind_listener
+
+    RendezvousStore(bind_listener("127.0.0.1", None), 1).close()
+
+
 @pytest.fixture
-def leak_check():
+def leak_check(_process_wide_state):
     """Fail the test if a launch left a process, descriptor, thread or env change behind."""
     fds_before = set(os.listdir("/proc/self/fd"))
     threads_before = threading.active_count()
@@ -45,11 +56,19 @@ def leak_check():
     new_fds = set(os.listdir("/proc/self/fd")) - fds_before
     # The forkserver and resource tracker, started once per process, keep one pipe each.
     helpers = {fd for fd in new_fds if _is_helper_fd(fd)}
-    assert new_fds - helpers == set(), f"descriptors left open: {new_fds - helpers}"
+    leaked = {fd: _describe_fd(fd) for fd in new_fds - helpers}
+    assert leaked == {}, f"descriptors left open: {leaked}"
 
 
 def _environ() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+def _describe_fd(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "closed"
 
 
 def _is_helper_fd(fd: str) -> bool:

@@ -171,7 +171,7 @@ class Monitor:
         if rank.stop_sent:
             return None  # ended because the launcher stopped it
         return RankFailure(
-            rank.rank, rank.pid, exitcode, output_tail="\n".join(rank.tail), time=time.time()
+            rank.rank, rank.pid, exitcode, output_tail=crash_excerpt(list(rank.tail)), time=time.time()
         )
 
     def _keep_remote_exception(self, rank: int, pickled: bytes | None) -> None:
@@ -197,3 +197,12 @@ class Monitor:
             self._outcome.stopped_from_outside = True
             self._stop_others()
 
+
+
+def crash_excerpt(lines: list[str], keep: int = 20) -> str:
+    """The part of a crashed rank's last output worth showing: faulthandler's report
+    (innermost frames first) when there is one, else the last lines."""
+    for index, line in enumerate(lines):
+        if line.startswith("Fatal Python error"):
+            return "\n".join(lines[index : index + keep])
+    return "\n".join(lines[-keep:])

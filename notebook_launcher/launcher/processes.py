@@ -11,7 +11,9 @@ import collections
 import contextlib
 import os
 import signal
+import sys
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from typing import Any
@@ -19,7 +21,7 @@ from typing import Any
 from notebook_launcher.launcher.lines import LineSplitter
 from notebook_launcher.launcher.rank import RankSpec, run_rank
 
-_TAIL_LINES = 20
+_TAIL_LINES = 200  # enough to hold a crash report of a deep stack
 
 
 class RankProcess:
@@ -44,7 +46,8 @@ class RankProcess:
                 args=(spec, payload, *child_ends, channel_w),
                 name=f"notebook_launcher-rank{spec.rank}",
             )
-            self.process.start()
+            with _main_module_hidden(context.get_start_method() != "fork"):
+                self.process.start()
         except BaseException:
             for fd in (stdout_r, stderr_r):
                 os.close(fd)
@@ -97,6 +100,27 @@ class RankProcess:
         self.channel.close()
         self.process.close()
         self._closed = True
+
+
+@contextlib.contextmanager
+def _main_module_hidden(hide: bool) -> Iterator[None]:
+    """Keep fresh interpreters from re-running the calling script as their ``__main__``.
+
+    multiprocessing re-imports the parent's main script in every spawned child, which
+    re-runs an unguarded script's launch in each rank. Ranks receive the function and its
+    arguments by value, so they never need that module.
+    """
+    main = sys.modules["__main__"]
+    saved = {name: main.__dict__[name] for name in ("__spec__", "__file__") if name in main.__dict__}
+    if not hide or not saved.get("__file__") and saved.get("__spec__") is None:
+        yield
+        return
+    main.__spec__ = None
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
 
 
 def stop_all(ranks: list[RankProcess], signum: int = signal.SIGTERM) -> None:

@@ -37,7 +37,7 @@ class RankSpec:
     accelerator: str
     threads: int | None
     python_random_state: Any  # the kernel's RNG states, so every start method sees the same
-    torch_rng_state: Any
+    torch_rng_state: bytes | None
 
 
 def send(message: RankMessage) -> None:
@@ -118,7 +118,7 @@ def _redirect_output(stdout: Connection, stderr: Connection) -> None:
     sys.stderr = sys.__stderr__ = io.TextIOWrapper(
         os.fdopen(2, "wb", closefd=False), line_buffering=True, errors="backslashreplace"
     )
-    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.enable(file=sys.stderr, all_threads=False)
 
 
 def _apply_kernel_state(spec: RankSpec) -> None:
@@ -133,7 +133,7 @@ def _apply_kernel_state(spec: RankSpec) -> None:
         import torch
     if torch is not None:
         if spec.torch_rng_state is not None:
-            torch.random.set_rng_state(spec.torch_rng_state)
+            torch.random.set_rng_state(torch.frombuffer(bytearray(spec.torch_rng_state), dtype=torch.uint8))
         if spec.threads is not None:
             torch.set_num_threads(spec.threads)
         if spec.accelerator == "cuda":

@@ -141,7 +141,8 @@ def _rank_failed_error(outcome: Outcome) -> RankFailedError:
 def _rank_specs(plan: LaunchPlan, launch_id: str, port: int, fork: bool) -> list[RankSpec]:
     torch = sys.modules.get("torch")
     # A fork already carries the kernel's RNG state; fresh interpreters are handed it.
-    torch_rng = torch.random.get_rng_state() if torch is not None and not fork else None
+    # As bytes: a tensor sent through multiprocessing would be moved to shared memory.
+    torch_rng = bytes(torch.random.get_rng_state().numpy()) if torch is not None and not fork else None
     python_rng = random.getstate()
     environ = dict(os.environ)
     return [
