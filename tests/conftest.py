@@ -17,18 +17,17 @@ def rank_processes(pid: int | None = None) -> list[psutil.Process]:
     """Descendants of ``pid`` other than multiprocessing's long-lived helpers.
 
     The forkserver (kept warm on purpose) and the resource tracker are not ranks; the
-    ranks a forkserver started are its children and are counted.
+    ranks a forkserver forked share its command line but are its children, and count.
     """
-    found = []
-    for child in psutil.Process(pid).children(recursive=True):
+    helpers = []
+    for child in psutil.Process(pid).children(recursive=False):
         try:
             cmdline = " ".join(child.cmdline())
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
-        if "forkserver" in cmdline and "main(" in cmdline or "resource_tracker" in cmdline:
-            continue
-        found.append(child)
-    return found
+        if "forkserver import main" in cmdline or "resource_tracker" in cmdline:
+            helpers.append(child.pid)
+    return [p for p in psutil.Process(pid).children(recursive=True) if p.pid not in helpers]
 
 
 @pytest.fixture(scope="session")

@@ -91,7 +91,26 @@ def _detach_from_kernel() -> None:
         os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _forget_inherited_forkserver()
     _die_with_parent()
+
+
+def _forget_inherited_forkserver() -> None:
+    """Drop the kernel's forkserver "alive" pipe, which a forkserver hands every child.
+
+    While any rank holds it, the forkserver never sees the kernel die and so never exits,
+    and ranks (which die with the forkserver) would outlive a killed kernel. A rank that
+    needs a forkserver of its own starts a fresh one.
+    """
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    alive_fd = getattr(server, "_forkserver_alive_fd", None)
+    if alive_fd is not None and getattr(server, "_forkserver_pid", None) is None:
+        with contextlib.suppress(OSError):
+            os.close(alive_fd)
+        server._forkserver_alive_fd = None
+        server._forkserver_address = None
 
 
 def _die_with_parent() -> None:
