@@ -69,14 +69,13 @@ def execute(
     store = record = None
     try:
         store = RendezvousStore(listener, plan.num_processes)
-        record = _register(launch_id, plan)
         emit(LaunchStarted(plan.num_processes, plan.start.method, plan.accelerator,
                            plan.mixed_precision, plan.start.fallback_reason))
         context = start_context(plan.start.method)
         for spec in _rank_specs(plan, launch_id, store.port, fork):
             ranks.append(RankProcess(context, spec, payload))
             emit(RankStarted(spec.rank, ranks[-1].pid, _device(plan, spec.local_rank)))
-        record.update(state="running", rank_pids=[r.pid for r in ranks])
+        record = _register(launch_id, plan, [r.pid for r in ranks])
         deadline = started + plan.timeout if plan.timeout is not None else None
         outcome = Monitor(
             ranks, emit, poll_interval=plan.monitor_interval, deadline=deadline,
@@ -86,8 +85,6 @@ def execute(
         emit(LaunchFinished("interrupted", time.monotonic() - started))
         raise
     finally:
-        if record is not None:
-            record.update(state="stopping")
         close_all(ranks, _STOP_GRACE_S)
         if store is not None:
             store.close()
@@ -171,13 +168,13 @@ def _device(plan: LaunchPlan, local_rank: int) -> str:
     return f"cuda:{local_rank}" if plan.accelerator == "cuda" else plan.accelerator
 
 
-def _register(launch_id: str, plan: LaunchPlan) -> registry.RegisteredLaunch:
+def _register(launch_id: str, plan: LaunchPlan, rank_pids: list[int]) -> registry.RegisteredLaunch:
     return registry.RegisteredLaunch(
         registry.LaunchRecord(
             launch_id=launch_id, kernel_id=registry.current_kernel_id(), kernel_pid=os.getpid(),
             num_processes=plan.num_processes, accelerator=plan.accelerator,
             mixed_precision=plan.mixed_precision, start_method=plan.start.method,
-            state="starting", started_at=time.time(),
+            state="running", started_at=time.time(), rank_pids=rank_pids,
         )
     )
 
