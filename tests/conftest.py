@@ -47,16 +47,24 @@ def leak_check(_process_wide_state):
     fds_before = set(os.listdir("/proc/self/fd"))
     threads_before = threading.active_count()
     environ_before = _environ()
+    handlers_before = _signal_handlers()
     yield
     leftover = rank_processes()
     assert leftover == [], f"processes left behind: {leftover}"
     assert threading.active_count() == threads_before
     assert _environ() == environ_before
+    assert _signal_handlers() == handlers_before
     new_fds = set(os.listdir("/proc/self/fd")) - fds_before
     # The forkserver and resource tracker, started once per process, keep one pipe each.
     helpers = {fd for fd in new_fds if _is_helper_fd(fd)}
     leaked = {fd: _describe_fd(fd) for fd in new_fds - helpers}
     assert leaked == {}, f"descriptors left open: {leaked}"
+
+
+def _signal_handlers() -> dict[int, object]:
+    import signal
+
+    return {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE)}
 
 
 def _environ() -> dict[str, str]:
