@@ -84,7 +84,7 @@ class RankFailedError(LaunchError):
     def __str__(self) -> str:
         return self.message
 
-    def __reduce__(self):  # type: ignore[no-untyped-def]
+    def __reduce__(self) -> tuple[object, ...]:
         return (_rebuild_rank_failed_error, (self.remote_type, self.message, self.failures))
 
 

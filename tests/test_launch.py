@@ -16,7 +16,7 @@ from notebook_launcher import (
     notebook_launcher,
 )
 
-from .conftest import rank_processes, run_script
+from .conftest import run_script
 
 METHODS = ["fork", "forkserver", "spawn"]
 

@@ -104,7 +104,7 @@ def _forget_inherited_forkserver() -> None:
     """
     from multiprocessing import forkserver
 
-    server = forkserver._forkserver  # type: ignore[attr-defined]
+    server: Any = forkserver._forkserver
     alive_fd = getattr(server, "_forkserver_alive_fd", None)
     if alive_fd is not None and getattr(server, "_forkserver_pid", None) is None:
         with contextlib.suppress(OSError):
@@ -131,12 +131,12 @@ def _redirect_output(stdout: Connection, stderr: Connection) -> None:
         os.dup2(connection.fileno(), fd)
         connection.close()
     # Replace whatever the kernel installed (ipykernel's streams talk to its own sockets).
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(
-        os.fdopen(1, "wb", closefd=False), line_buffering=True, errors="backslashreplace"
-    )
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
-        os.fdopen(2, "wb", closefd=False), line_buffering=True, errors="backslashreplace"
-    )
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        stream = io.TextIOWrapper(
+            os.fdopen(fd, "wb", closefd=False), line_buffering=True, errors="backslashreplace"
+        )
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
     faulthandler.enable(file=sys.stderr, all_threads=False)
 
 
