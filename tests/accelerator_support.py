@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "accelerator_scripts"
 
@@ -18,26 +20,54 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+LAUNCH_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
+
+
+def _is_launch_var(name: str) -> bool:
+    return name in LAUNCH_VARS or name.startswith(("ACCELERATE_", "NOTEBOOK_LAUNCHER_"))
+
+
+@pytest.fixture
+def plain_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This test runs as one plain process: no rank or launcher variables."""
+    for name in [k for k in os.environ if _is_launch_var(k)]:
+        monkeypatch.delenv(name)
+
+
 def clean_environment(**extra: str) -> dict[str, str]:
     """The test process's environment without any launch variables, plus ``extra``."""
-    launch_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                   "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
-    env = {
-        k: v for k, v in os.environ.items()
-        if k not in launch_vars and not k.startswith(("ACCELERATE_", "NOTEBOOK_LAUNCHER_"))
-    }
+    env = {k: v for k, v in os.environ.items() if not _is_launch_var(k)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
     env.update(extra)
     return env
 
 
-def run_torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 240,
-                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_torchrun(
+    script: Path,
+    *args: str,
+    nproc: int = 2,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
     command = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-        str(script), *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        str(script),
+        *args,
     ]
     result = subprocess.run(
         command, env=env or clean_environment(), capture_output=True, text=True, timeout=timeout

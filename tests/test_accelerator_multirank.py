@@ -7,7 +7,6 @@ each test below asserts on what one check produced.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 from tests.accelerator_support import SCRIPTS, clean_environment, run_torchrun
 
 sys.path.insert(0, str(SCRIPTS))
-import common  # noqa: E402
+import common
 
 pytestmark = pytest.mark.slow
 TOLERANCE = {"atol": 1e-6, "rtol": 1e-5}
@@ -26,7 +25,11 @@ TOLERANCE = {"atol": 1e-6, "rtol": 1e-5}
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("ranks")
     # The precision a launcher would choose: Accelerator() must pick it up, explicit arguments win.
-    run_torchrun(SCRIPTS / "rank_checks.py", str(out), env=clean_environment(ACCELERATE_MIXED_PRECISION="bf16"))
+    run_torchrun(
+        SCRIPTS / "rank_checks.py",
+        str(out),
+        env=clean_environment(ACCELERATE_MIXED_PRECISION="bf16"),
+    )
     load = lambda r: torch.load(out / f"results_rank{r}.pt", weights_only=False)  # noqa: E731
     return {"out": out, "rank0": load(0), "rank1": load(1)}
 
@@ -50,7 +53,9 @@ def test_each_rank_sees_its_rank_world_size_and_launcher_precision(ranks: dict[s
 
 
 @pytest.mark.parametrize("run", ["ddp", "fsdp"])
-def test_two_ranks_with_batch_b_reach_the_weights_of_one_process_with_batch_2b(ranks: dict[str, Any], run: str) -> None:
+def test_two_ranks_with_batch_b_reach_the_weights_of_one_process_with_batch_2b(
+    ranks: dict[str, Any], run: str
+) -> None:
     reference = common.train_reference(batch_size=8)
     got = ranks["rank0"][run]
     assert_same_weights(got["state_dict"], reference["state_dict"])
@@ -70,7 +75,9 @@ def test_fsdp_really_shards_the_parameters(ranks: dict[str, Any]) -> None:
     assert ranks["rank0"]["ddp"]["parameter_type"] == "Parameter"
 
 
-def test_accumulating_two_steps_on_two_ranks_matches_one_process_with_batch_4b(ranks: dict[str, Any]) -> None:
+def test_accumulating_two_steps_on_two_ranks_matches_one_process_with_batch_4b(
+    ranks: dict[str, Any],
+) -> None:
     reference = common.train_reference(batch_size=16)
     got = ranks["rank0"]["ddp_accum"]
     assert_same_weights(got["state_dict"], reference["state_dict"])
@@ -79,7 +86,9 @@ def test_accumulating_two_steps_on_two_ranks_matches_one_process_with_batch_4b(r
 
 
 @pytest.mark.parametrize("run", ["ddp", "fsdp"])
-def test_checkpoint_saved_on_rank0_reloads_in_one_process_with_the_same_outputs(ranks: dict[str, Any], run: str) -> None:
+def test_checkpoint_saved_on_rank0_reloads_in_one_process_with_the_same_outputs(
+    ranks: dict[str, Any], run: str
+) -> None:
     model = common.make_model()
     model.load_state_dict(torch.load(ranks["out"] / f"{run}.pt", weights_only=True))
     with torch.no_grad():
@@ -88,7 +97,9 @@ def test_checkpoint_saved_on_rank0_reloads_in_one_process_with_the_same_outputs(
 
 
 @pytest.mark.parametrize("case", ["metrics_batches", "metrics_split", "metrics_iterable"])
-def test_gather_for_metrics_returns_one_prediction_per_sample_in_order(ranks: dict[str, Any], case: str) -> None:
+def test_gather_for_metrics_returns_one_prediction_per_sample_in_order(
+    ranks: dict[str, Any], case: str
+) -> None:
     # 10 samples on 2 ranks: the last step is padded with repeats, which must be dropped.
     predictions, objects = ranks["rank0"][case]
     assert predictions == [float(i) for i in range(10)]
@@ -123,7 +134,9 @@ def test_print_and_on_main_process_run_on_rank0_only(ranks: dict[str, Any]) -> N
     assert (c0["on_main"], c1["on_main"]) == ("ran", None)
 
 
-def test_main_process_first_lets_rank0_finish_before_the_others_start(ranks: dict[str, Any]) -> None:
+def test_main_process_first_lets_rank0_finish_before_the_others_start(
+    ranks: dict[str, Any],
+) -> None:
     assert ranks["rank0"]["collectives"]["order"] == ["0", "1"]
 
 
@@ -134,7 +147,9 @@ def test_split_between_processes_gives_each_rank_a_contiguous_share(ranks: dict[
     assert (c0["dict_share"], c1["dict_share"]) == ({"a": [1], "b": ["x"]}, {"a": [2], "b": ["y"]})
 
 
-def test_bf16_autocast_is_active_in_a_prepared_ddp_model_and_the_autocast_block(ranks: dict[str, Any]) -> None:
+def test_bf16_autocast_is_active_in_a_prepared_ddp_model_and_the_autocast_block(
+    ranks: dict[str, Any],
+) -> None:
     bf16 = ranks["rank1"]["bf16"]
     assert bf16["type"] == "DistributedDataParallel"
     assert bf16["inner_linear"] == "torch.bfloat16"
@@ -142,14 +157,18 @@ def test_bf16_autocast_is_active_in_a_prepared_ddp_model_and_the_autocast_block(
     assert bf16["autocast_block"] == "torch.bfloat16"
 
 
-def test_hugging_face_accelerate_in_a_rank_sees_the_same_world_and_precision(ranks: dict[str, Any]) -> None:
+def test_hugging_face_accelerate_in_a_rank_sees_the_same_world_and_precision(
+    ranks: dict[str, Any],
+) -> None:
     for r in (0, 1):
         hf = ranks[f"rank{r}"]["hf_accelerate"]
         ours = ranks[f"rank{r}"]["identity"]
         assert hf["num_processes"] == ours["num_processes"] == 2
         assert hf["process_index"] == ours["process_index"] == r
         assert hf["mixed_precision"] == ours["env_precision"] == "bf16"
-        assert torch.device(hf["device"]).type == torch.device(ours["device"]).type  # accelerate says "cpu:0"
+        assert (
+            torch.device(hf["device"]).type == torch.device(ours["device"]).type
+        )  # accelerate says "cpu:0"
 
 
 def test_end_training_leaves_the_process_group_it_created(ranks: dict[str, Any]) -> None:

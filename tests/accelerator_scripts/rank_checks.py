@@ -19,9 +19,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
-import common  # noqa: E402
+import common
 
-from notebook_launcher.accelerator import (  # noqa: E402
+from notebook_launcher.accelerator import (
     Accelerator,
     DataLoaderConfiguration,
     FullyShardedDataParallelPlugin,
@@ -36,15 +36,18 @@ def record(name: str, value: Any) -> None:
 
 
 def check_identity(acc: Accelerator) -> None:
-    record("identity", {
-        "process_index": acc.process_index,
-        "local_process_index": acc.local_process_index,
-        "num_processes": acc.num_processes,
-        "is_main_process": acc.is_main_process,
-        "device": str(acc.device),
-        "distributed_type": acc.distributed_type.value,
-        "env_precision": acc.mixed_precision,  # from ACCELERATE_MIXED_PRECISION=bf16
-    })
+    record(
+        "identity",
+        {
+            "process_index": acc.process_index,
+            "local_process_index": acc.local_process_index,
+            "num_processes": acc.num_processes,
+            "is_main_process": acc.is_main_process,
+            "device": str(acc.device),
+            "distributed_type": acc.distributed_type.value,
+            "env_precision": acc.mixed_precision,  # from ACCELERATE_MIXED_PRECISION=bf16
+        },
+    )
 
 
 def check_parity(acc_factory: Any, name: str, batch_size: int) -> None:
@@ -71,7 +74,9 @@ def gathered_predictions(acc: Accelerator, loader: DataLoader) -> tuple[list[flo
     loader = acc.prepare(loader)
     predictions: list[float] = []
     objects: list[int] = []
-    for (x,) in loader if not isinstance(loader.dataset, IterableDataset) else ((b,) for b in loader):
+    for (x,) in (
+        loader if not isinstance(loader.dataset, IterableDataset) else ((b,) for b in loader)
+    ):
         predictions += acc.gather_for_metrics(x[:, 0] * 1.0).tolist()
         objects += acc.gather_for_metrics([int(v) for v in x[:, 0]], use_gather_object=True)
     return predictions, objects
@@ -80,20 +85,26 @@ def gathered_predictions(acc: Accelerator, loader: DataLoader) -> tuple[list[flo
 def check_gather_for_metrics(acc: Accelerator) -> None:
     numbers = TensorDataset(torch.arange(10, dtype=torch.float32).unsqueeze(1))
     record("metrics_batches", gathered_predictions(acc, DataLoader(numbers, batch_size=3)))
-    split = Accelerator(mixed_precision="no", dataloader_config=DataLoaderConfiguration(split_batches=True))
+    split = Accelerator(
+        mixed_precision="no", dataloader_config=DataLoaderConfiguration(split_batches=True)
+    )
     record("metrics_split", gathered_predictions(split, DataLoader(numbers, batch_size=4)))
     record("metrics_iterable", gathered_predictions(acc, DataLoader(Numbers(10), batch_size=3)))
 
 
 def check_seedable_sampler() -> None:
-    acc = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=7))
+    acc = Accelerator(
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=7)
+    )
     loader = acc.prepare(DataLoader(TensorDataset(torch.arange(16)), batch_size=2, shuffle=True))
     epochs = []
     for _ in range(2):
         epochs.append([int(i) for (batch,) in loader for i in batch])
     record("seedable", epochs)
     plain = Accelerator()
-    shuffled = plain.prepare(DataLoader(TensorDataset(torch.arange(16)), batch_size=2, shuffle=True))
+    shuffled = plain.prepare(
+        DataLoader(TensorDataset(torch.arange(16)), batch_size=2, shuffle=True)
+    )
     record("shuffled_shard", [int(i) for (batch,) in shuffled for i in batch])
 
 
@@ -116,21 +127,26 @@ def check_collectives(acc: Accelerator) -> None:
         with open(order_file, "a") as f:
             f.write(f"{rank}\n")
     acc.wait_for_everyone()
-    record("collectives", {
-        "gather": acc.gather(torch.tensor([rank, rank * 10])).tolist(),
-        "gather_scalar": acc.gather(torch.tensor(rank + 0.5)).tolist(),
-        "gather_nested": {k: v.tolist() for k, v in acc.gather({"a": torch.tensor([rank])}).items()},
-        "reduce_sum": acc.reduce(torch.tensor([rank + 1.0])).tolist(),
-        "reduce_mean": acc.reduce(torch.tensor([rank + 1.0]), reduction="mean").tolist(),
-        "padded_shape": list(padded.shape),
-        "gathered_padded": acc.gather(padded).tolist(),
-        "printed": out.getvalue(),
-        "share": share,
-        "padded_share": padded_share,
-        "dict_share": dict_share,
-        "order": order_file.read_text().split(),
-        "on_main": acc.on_main_process(lambda: "ran")(),
-    })
+    record(
+        "collectives",
+        {
+            "gather": acc.gather(torch.tensor([rank, rank * 10])).tolist(),
+            "gather_scalar": acc.gather(torch.tensor(rank + 0.5)).tolist(),
+            "gather_nested": {
+                k: v.tolist() for k, v in acc.gather({"a": torch.tensor([rank])}).items()
+            },
+            "reduce_sum": acc.reduce(torch.tensor([rank + 1.0])).tolist(),
+            "reduce_mean": acc.reduce(torch.tensor([rank + 1.0]), reduction="mean").tolist(),
+            "padded_shape": list(padded.shape),
+            "gathered_padded": acc.gather(padded).tolist(),
+            "printed": out.getvalue(),
+            "share": share,
+            "padded_share": padded_share,
+            "dict_share": dict_share,
+            "order": order_file.read_text().split(),
+            "on_main": acc.on_main_process(lambda: "ran")(),
+        },
+    )
 
 
 def check_bf16() -> None:
@@ -142,12 +158,15 @@ def check_bf16() -> None:
     output = model(torch.randn(4, common.FEATURES))
     with acc.autocast():
         plain = torch.nn.Linear(3, 3)(torch.randn(2, 3)).dtype
-    record("bf16", {
-        "inner_linear": str(dtypes[0]),
-        "output": str(output.dtype),
-        "autocast_block": str(plain),
-        "type": type(model).__name__,
-    })
+    record(
+        "bf16",
+        {
+            "inner_linear": str(dtypes[0]),
+            "output": str(output.dtype),
+            "autocast_block": str(plain),
+            "type": type(model).__name__,
+        },
+    )
 
 
 def check_hf_accelerate() -> None:
@@ -157,12 +176,15 @@ def check_hf_accelerate() -> None:
     # otherwise look for a GPU and fall back to a single process.
     os.environ["ACCELERATE_USE_CPU"] = "true"
     hf = HFAccelerator()
-    record("hf_accelerate", {
-        "num_processes": hf.num_processes,
-        "process_index": hf.process_index,
-        "mixed_precision": hf.mixed_precision,
-        "device": str(hf.device),
-    })
+    record(
+        "hf_accelerate",
+        {
+            "num_processes": hf.num_processes,
+            "process_index": hf.process_index,
+            "mixed_precision": hf.mixed_precision,
+            "device": str(hf.device),
+        },
+    )
 
 
 def main() -> None:
@@ -170,7 +192,9 @@ def main() -> None:
     check_identity(Accelerator())
     check_parity(lambda: Accelerator(mixed_precision="no"), "ddp", batch_size=4)
     check_parity(
-        lambda: Accelerator(mixed_precision="no", gradient_accumulation_steps=2), "ddp_accum", batch_size=4
+        lambda: Accelerator(mixed_precision="no", gradient_accumulation_steps=2),
+        "ddp_accum",
+        batch_size=4,
     )
     check_parity(
         lambda: Accelerator(mixed_precision="no", fsdp_plugin=FullyShardedDataParallelPlugin()),
