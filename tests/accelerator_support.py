@@ -32,20 +32,20 @@ LAUNCH_VARS = (
 )
 
 
-def _is_launch_var(name: str) -> bool:
+def is_launch_variable(name: str) -> bool:
     return name in LAUNCH_VARS or name.startswith(("ACCELERATE_", "NOTEBOOK_LAUNCHER_"))
 
 
 @pytest.fixture
 def plain_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """This test runs as one plain process: no rank or launcher variables."""
-    for name in [k for k in os.environ if _is_launch_var(k)]:
+    for name in [k for k in os.environ if is_launch_variable(k)]:
         monkeypatch.delenv(name)
 
 
 def clean_environment(**extra: str) -> dict[str, str]:
     """The test process's environment without any launch variables, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not _is_launch_var(k)}
+    env = {k: v for k, v in os.environ.items() if not is_launch_variable(k)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
     env.update(extra)
