@@ -131,6 +131,34 @@ def benchmark(rounds: int, steps: int) -> dict[str, list[list[float]]]:
     return times
 
 
+def overhead(steps: int = 3000, rounds: int = 10) -> dict[str, float]:
+    """Median step time (seconds) of a tiny model in one process: what the core's wrappers add.
+
+    The MLP benchmark's steps take tens of milliseconds, so on a shared machine noise hides
+    a few microseconds of wrapper work; with a model this small the wrappers dominate.
+    """
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from notebook_launcher.accelerator import Accelerator
+
+    def parts() -> tuple[Any, Any, Any]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        data = TensorDataset(torch.randn(steps * 4, 8), torch.randn(steps * 4, 8))
+        return model, torch.optim.SGD(model.parameters(), lr=1e-3), DataLoader(data, batch_size=4)
+
+    model, optimizer, loader = parts()
+    loops = {"raw loop": Loop(model, optimizer, loader, lambda loss: loss.backward())}
+    accelerator = Accelerator(mixed_precision="no", cpu=True)
+    loops["this core"] = Loop(*accelerator.prepare(*parts()), accelerator.backward)
+    times: dict[str, list[float]] = {name: [] for name in loops}
+    for round_index in range(rounds):
+        for name in list(loops)[round_index % 2 :] + list(loops)[: round_index % 2]:
+            times[name] += loops[name].timed_steps(steps // rounds)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
@@ -173,6 +201,12 @@ def main() -> None:
     print("block means per round (ms/step):")
     for name, rounds in times.items():
         print(f"  {name:<12} " + " ".join(f"{statistics.fmean(r) * 1e3:.1f}" for r in rounds))
+    tiny = overhead()
+    print(
+        f"one process, Linear(8, 8), batch 4: raw loop {tiny['raw loop'] * 1e6:.1f} us/step, "
+        f"this core {tiny['this core'] * 1e6:.1f} us/step "
+        f"(+{(tiny['this core'] - tiny['raw loop']) * 1e6:.1f} us per step)"
+    )
     print(f"total {time.perf_counter() - started:.0f} s")
 
 
