@@ -37,10 +37,15 @@ def is_launch_variable(name: str) -> bool:
 
 
 @pytest.fixture
-def plain_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This test runs as one plain process: no rank or launcher variables."""
+def plain_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """This test runs as one plain process: no rank or launcher variables.
+
+    Launches it starts register in a private runtime directory, so a JupyterLab sidebar
+    (or its tests) running on the same machine neither lists nor stops them.
+    """
     for name in [k for k in os.environ if is_launch_variable(k)]:
         monkeypatch.delenv(name)
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "jupyter-runtime"))
 
 
 def clean_environment(**extra: str) -> dict[str, str]:

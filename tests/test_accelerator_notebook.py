@@ -25,12 +25,14 @@ def cell_text(cell: nbformat.NotebookNode) -> str:
 
 
 @pytest.fixture(scope="module")
-def executed() -> list[str]:
+def executed(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     # The kernel inherits this environment: a plain one that imports this source tree.
     with pytest.MonkeyPatch.context() as env:
         for name in [k for k in os.environ if is_launch_variable(k)]:
             env.delenv(name)
+        # Its launches register privately: a JupyterLab sidebar elsewhere cannot stop them.
+        env.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path_factory.mktemp("jupyter-runtime")))
         env.setenv(
             "PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         )
