@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import stat
 import sys
+import tempfile
 import textwrap
 import threading
 from pathlib import Path
@@ -11,6 +12,10 @@ import psutil
 import pytest
 
 from notebook_launcher import hardware
+
+# Launches the tests make register in a private runtime dir: a test that stops "the running
+# launch" must never find a launch of the user's (or of another test session).
+os.environ["JUPYTER_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="notebook-launcher-tests-")
 
 
 def rank_processes(pid: int | None = None) -> list[psutil.Process]:

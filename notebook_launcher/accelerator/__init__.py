@@ -4,13 +4,6 @@ from __future__ import annotations
 
 from notebook_launcher.accelerator.accelerator import Accelerator
 from notebook_launcher.accelerator.data import DataLoaderConfiguration
-from notebook_launcher.accelerator.errors import (
-    AcceleratorError,
-    MissingDependencyError,
-    MixedPrecisionError,
-    RankEnvironmentError,
-    ShardingError,
-)
 from notebook_launcher.accelerator.kwargs import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -18,8 +11,15 @@ from notebook_launcher.accelerator.kwargs import (
     GradScalerKwargs,
 )
 from notebook_launcher.accelerator.state import DistributedType
-from notebook_launcher.accelerator.tracking import add_metric_sink, remove_metric_sink
 from notebook_launcher.accelerator.utils import set_seed, tqdm
+from notebook_launcher.errors import (
+    AcceleratorError,
+    MissingDependencyError,
+    MixedPrecisionError,
+    RankEnvironmentError,
+    ShardingError,
+)
+from notebook_launcher.tracking import add_metric_sink, remove_metric_sink
 
 __all__ = [
     "Accelerator",

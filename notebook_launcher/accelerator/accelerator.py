@@ -18,13 +18,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from notebook_launcher.accelerator import operations, precision, processes, tracking
+from notebook_launcher import tracking
+from notebook_launcher.accelerator import operations, precision, processes
 from notebook_launcher.accelerator.data import (
     DataLoaderConfiguration,
     DataLoaderShard,
     prepare_data_loader,
 )
-from notebook_launcher.accelerator.errors import AcceleratorError
 from notebook_launcher.accelerator.fsdp import full_state_dict, is_fully_sharded, shard_model
 from notebook_launcher.accelerator.gradient_state import GradientState
 from notebook_launcher.accelerator.kwargs import (
@@ -43,6 +43,7 @@ from notebook_launcher.accelerator.state import (
     read_rank_state,
 )
 from notebook_launcher.accelerator.utils import tqdm as _tqdm
+from notebook_launcher.errors import AcceleratorError
 
 F = TypeVar("F", bound=Callable[..., Any])
 _LRScheduler = torch.optim.lr_scheduler.LRScheduler

@@ -17,7 +17,6 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from notebook_launcher.accelerator.errors import ShardingError
 from notebook_launcher.accelerator.gradient_state import GradientState
 from notebook_launcher.accelerator.operations import broadcast, send_to_device
 from notebook_launcher.accelerator.sharding import (
@@ -26,6 +25,7 @@ from notebook_launcher.accelerator.sharding import (
     ShardedBatchSampler,
 )
 from notebook_launcher.accelerator.state import RankState
+from notebook_launcher.errors import ShardingError
 
 
 @dataclasses.dataclass

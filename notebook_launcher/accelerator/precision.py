@@ -20,8 +20,8 @@ from typing import Any, Callable
 import torch
 
 from notebook_launcher import hardware
-from notebook_launcher.accelerator.errors import MissingDependencyError, MixedPrecisionError
 from notebook_launcher.accelerator.kwargs import AutocastKwargs, GradScalerKwargs
+from notebook_launcher.errors import MissingDependencyError, MixedPrecisionError
 from notebook_launcher.rank_env import MIXED_PRECISION
 
 PRECISIONS = hardware.PRECISIONS

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from notebook_launcher.accelerator.errors import AcceleratorError
+from notebook_launcher.errors import AcceleratorError
 
 
 def barrier(device_kind: str, local_rank: int) -> None:

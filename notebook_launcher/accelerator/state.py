@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from notebook_launcher import hardware
-from notebook_launcher.accelerator.errors import RankEnvironmentError
+from notebook_launcher.errors import RankEnvironmentError
 from notebook_launcher.rank_env import ACCELERATOR, USE_CPU
 
 DEVICE_KINDS = ("cuda", "cpu", "tpu", "mps")

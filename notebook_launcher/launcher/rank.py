@@ -20,7 +20,8 @@ from typing import Any
 
 import cloudpickle
 
-from notebook_launcher.launcher.channel import Failure, RankMessage, Result
+from notebook_launcher.launcher.channel import Failure, Metric, RankMessage, Result
+from notebook_launcher.tracking import add_metric_sink
 
 _channel: Connection | None = None
 
@@ -56,6 +57,7 @@ def run_rank(
     """Process target: become a clean rank, run the function, report how it ended."""
     global _channel
     _channel = channel
+    add_metric_sink(_forward_metric)
     _detach_from_kernel()
     _redirect_output(stdout, stderr)
     _apply_kernel_state(spec)
@@ -82,6 +84,16 @@ def run_rank(
     _release_process_group()
     channel.send(result)
     _exit(0)
+
+
+def _forward_metric(rank: int, step: int | None, values: dict[str, Any]) -> None:
+    """What ``Accelerator.log`` records travels to the kernel (for a live plot)."""
+    numbers: dict[str, float] = {}
+    for name, value in values.items():
+        with contextlib.suppress(TypeError, ValueError, RuntimeError):
+            numbers[name] = float(value)
+    if numbers:
+        send(Metric(numbers, step))
 
 
 def _detach_from_kernel() -> None:

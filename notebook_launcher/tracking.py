@@ -1,4 +1,5 @@
-"""Where ``Accelerator.log`` sends metrics.
+"""Where ``Accelerator.log`` sends metrics (kept apart from the core so that a rank can
+forward them without importing torch-heavy modules).
 
 The training core knows nothing of the launcher; a launcher (or a user) that wants the
 metrics registers a sink here, e.g. one that forwards them as launch events to the
