@@ -45,6 +45,29 @@ def cuda_job(scale: float) -> tuple[int, int, str, float, str]:
     return seen
 
 
+def train_with_core(steps: int) -> tuple[str, str, str, float]:
+    """A launched rank using the training core with the launcher's precision."""
+    import torch
+
+    from notebook_launcher import Accelerator
+
+    accelerator = Accelerator()
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    inputs = torch.randn(64, 256, device=accelerator.device)
+    targets = torch.randn(64, 16, device=accelerator.device)
+    dtype = ""
+    for _ in range(steps):
+        outputs = model(inputs)
+        dtype = str(outputs.dtype)
+        loss = torch.nn.functional.mse_loss(outputs.float(), targets)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    return str(accelerator.device), accelerator.mixed_precision, dtype, float(loss.item())
+
+
 def main() -> int:
     import torch
 
@@ -117,12 +140,32 @@ def main() -> int:
         return (f"auto chose the forkserver; first launch {first:.2f}s, warm re-launch median "
                 f"{statistics.median(warm) * 1e3:.0f} ms (nccl init included)")
 
+    def core_in_launched_ranks() -> str:
+        import importlib.util
+        import math
+
+        precisions = ["bf16", "fp16"]
+        if hardware.precision_support(report)["fp8"] is None and importlib.util.find_spec("torchao"):
+            precisions.append("fp8")
+        seen = []
+        for precision in precisions:
+            values = notebook_launcher(train_with_core, (20,), mixed_precision=precision,
+                                       return_all=True, output="none")
+            for rank, (device, used, dtype, loss) in enumerate(values):
+                assert device == f"cuda:{rank}" and used == precision, values
+                assert math.isfinite(loss), values
+                expected = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}.get(precision, dtype)
+                assert dtype == expected, f"{precision} ran with {dtype} outputs"
+            seen.append(f"{precision}: output {values[0][2]}, loss {values[0][3]:.3f}")
+        return "; ".join(seen)
+
     for name, body in [
         ("GPUs found without initialising CUDA", detection),
         ("one rank per GPU by default, each on cuda:LOCAL_RANK", one_rank_per_gpu_by_default),
         ("precisions this GPU supports are accepted and reach the ranks", precisions_accepted_on_this_gpu),
         ("more ranks than GPUs is refused", too_many_ranks_refused),
         ("an exception in a CUDA rank surfaces with its type", failure_in_a_cuda_rank),
+        ("the training core in launched CUDA ranks runs the launch's precision", core_in_launched_ranks),
         ("after CUDA init in the caller: fork refused, auto uses the warm forkserver", forkserver_after_cuda_init),
     ]:
         check(name, body)
