@@ -57,15 +57,15 @@ def train_with_core(steps: int) -> tuple[str, str, str, float]:
     model, optimizer = accelerator.prepare(model, optimizer)
     inputs = torch.randn(64, 256, device=accelerator.device)
     targets = torch.randn(64, 16, device=accelerator.device)
-    dtype = ""
+    inner: list[str] = []  # the prepared model returns fp32; autocast shows inside it
+    accelerator.unwrap_model(model)[2].register_forward_hook(lambda m, i, o: inner.append(str(o.dtype)))
     for _ in range(steps):
         outputs = model(inputs)
-        dtype = str(outputs.dtype)
         loss = torch.nn.functional.mse_loss(outputs.float(), targets)
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-    return str(accelerator.device), accelerator.mixed_precision, dtype, float(loss.item())
+    return str(accelerator.device), accelerator.mixed_precision, inner[-1], float(loss.item())
 
 
 def main() -> int:
@@ -156,7 +156,7 @@ def main() -> int:
                 assert math.isfinite(loss), values
                 expected = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}.get(precision, dtype)
                 assert dtype == expected, f"{precision} ran with {dtype} outputs"
-            seen.append(f"{precision}: output {values[0][2]}, loss {values[0][3]:.3f}")
+            seen.append(f"{precision}: last Linear computes in {values[0][2]}, loss {values[0][3]:.3f}")
         return "; ".join(seen)
 
     for name, body in [
