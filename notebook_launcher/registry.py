@@ -60,7 +60,6 @@ class RegisteredLaunch:
         self._dir = registry_dir()
         self._path = self._dir / f"{record.launch_id}.json"
         self._stop_path = self._dir / f"{record.launch_id}.stop"
-        self._dir.mkdir(parents=True, exist_ok=True)
         self._write()
 
     def update(self, **changes: Any) -> None:
@@ -76,7 +75,10 @@ class RegisteredLaunch:
                 path.unlink()
 
     def _write(self) -> None:
-        _atomic_write_json(self._path, self.record.to_dict())
+        # The registry only feeds the sidebar: a read-only runtime dir must not stop a launch.
+        with contextlib.suppress(OSError):
+            self._dir.mkdir(parents=True, exist_ok=True)
+            _atomic_write_json(self._path, self.record.to_dict())
 
 
 def list_launches() -> list[LaunchRecord]:

@@ -1,0 +1,143 @@
+"""Launch overhead against the peers, side by side in one run.
+
+Each contender launches the same 2-rank job many times in this one process (gloo init,
+one all_reduce, destroy, return), in interleaved rounds so that machine noise hits all
+of them alike. Prints medians and ratios; also how long a rank's exception takes to
+surface as the caller's exception.
+
+    python benchmarks/bench_launch.py [--rounds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+import warnings
+from typing import Callable
+
+WORLD_SIZE = 2
+
+
+def job(*_: object) -> float:
+    import torch
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()  # accelerate.debug_launcher creates (and owns) one
+    if owned:
+        dist.init_process_group("gloo")
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    if owned:
+        dist.destroy_process_group()
+    return value.item()
+
+
+def floor_job(index: int, port: int) -> None:
+    """torch.multiprocessing's target: it sets no environment, so the job does it."""
+    os.environ.update(RANK=str(index), WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    job()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def ours(method: str) -> Callable[[], object]:
+    from notebook_launcher import notebook_launcher
+
+    return lambda: notebook_launcher(job, num_processes=WORLD_SIZE, start_method=method, output="none")
+
+
+def torch_fork_floor() -> object:
+    import torch.multiprocessing as tmp
+
+    return tmp.start_processes(floor_job, (free_port(),), nprocs=WORLD_SIZE, start_method="fork")
+
+
+def accelerate_notebook_launcher() -> object:
+    from accelerate import notebook_launcher
+
+    return notebook_launcher(job, num_processes=WORLD_SIZE, use_port=str(free_port()))
+
+
+def accelerate_debug_launcher() -> object:
+    from accelerate import debug_launcher
+
+    return debug_launcher(job, num_processes=WORLD_SIZE)
+
+
+def raise_on_rank_one(*_: object) -> None:
+    if os.environ["RANK"] == "1":
+        raise RuntimeError(repr(time.time()))
+    time.sleep(30)
+
+
+def failure_latency(launch: Callable[[], object]) -> float:
+    """Seconds from the rank raising to the caller holding the exception."""
+    try:
+        launch()
+    except BaseException as error:  # accelerate wraps it in its own types
+        caught = time.time()
+        raised = next(float(t) for t in _floats_in(str(error)))
+        return caught - raised
+    raise AssertionError("the failing launch did not raise")
+
+
+def _floats_in(text: str) -> list[str]:
+    import re
+
+    return re.findall(r"\d{10}\.\d+", text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="launch overhead, side by side")
+    parser.add_argument("--rounds", type=int, default=15)
+    options = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    contenders: dict[str, Callable[[], object]] = {
+        "start_processes fork (floor)": torch_fork_floor,
+        "notebook_launcher fork": ours("fork"),
+        "notebook_launcher forkserver (warm)": ours("forkserver"),
+        "accelerate.notebook_launcher": accelerate_notebook_launcher,
+        "accelerate.debug_launcher": accelerate_debug_launcher,
+    }
+    for launch in contenders.values():  # warm-up: imports, the forkserver's first start
+        launch()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(options.rounds):
+        for name, launch in contenders.items():
+            started = time.perf_counter()
+            launch()
+            times[name].append(time.perf_counter() - started)
+
+    floor = statistics.median(times["start_processes fork (floor)"])
+    accelerate = statistics.median(times["accelerate.notebook_launcher"])
+    print(f"launch of a 2-rank gloo job, median of {options.rounds} interleaved rounds")
+    print(f"{'contender':40s} {'median ms':>10s} {'x floor':>8s} {'x accelerate':>13s}")
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        print(f"{name:40s} {median * 1e3:10.1f} {median / floor:8.2f} {median / accelerate:13.2f}")
+
+    from notebook_launcher import notebook_launcher
+
+    latencies = {
+        "notebook_launcher fork": lambda: notebook_launcher(
+            raise_on_rank_one, num_processes=WORLD_SIZE, output="none"),
+        "notebook_launcher forkserver": lambda: notebook_launcher(
+            raise_on_rank_one, num_processes=WORLD_SIZE, start_method="forkserver", output="none"),
+    }
+    print("\nrank raises -> caller's exception, median of 5")
+    for name, launch in latencies.items():
+        samples = [failure_latency(launch) for _ in range(5)]
+        print(f"{name:40s} {statistics.median(samples) * 1e3:10.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""The exceptions a launch raises in the notebook.
+
+Bad input raises :class:`LaunchConfigError` before any process starts. A launch that
+ran raises :class:`RankFailedError` (carrying each rank's failure as data),
+:class:`LaunchTimeoutError` or :class:`LaunchStoppedError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+from typing import ClassVar
+
+
+class LaunchError(RuntimeError):
+    """Base of every error the launcher raises."""
+
+
+class LaunchConfigError(LaunchError, ValueError):
+    """An argument or the kernel's state rules the launch out; nothing was started."""
+
+
+class LaunchTypeError(LaunchConfigError, TypeError):
+    """An argument has the wrong type; nothing was started."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFailure:
+    """Why one rank ended badly, as reported by the rank or seen by the launcher."""
+
+    rank: int
+    pid: int | None
+    exitcode: int | None  # negative: killed by that signal
+    exception_type: str | None = None  # "ValueError", "mymodule.MyError"
+    message: str = ""
+    traceback: str = ""  # the rank's own formatted traceback
+    output_tail: str = ""  # last lines the rank wrote to stderr (for crashes without a traceback)
+    time: float = 0.0  # when it failed (seconds since the epoch); orders the root cause first
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.exitcode is None or self.exitcode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.exitcode).name
+        except ValueError:
+            return f"signal {-self.exitcode}"
+
+    def summary(self) -> str:
+        who = f"Rank {self.rank}" + (f" (pid {self.pid})" if self.pid else "")
+        if self.exception_type:
+            text = f"{self.exception_type}: {self.message}" if self.message else self.exception_type
+            return f"{who} raised {text}"
+        if self.signal_name:
+            description = _SIGNAL_DESCRIPTIONS.get(self.signal_name, "")
+            return f"{who} was killed by {self.signal_name}{description}"
+        return f"{who} exited with code {self.exitcode} without raising an exception"
+
+
+_SIGNAL_DESCRIPTIONS = {
+    "SIGSEGV": " (segmentation fault)",
+    "SIGKILL": " (killed: out of memory, or stopped from outside)",
+    "SIGABRT": " (aborted)",
+    "SIGBUS": " (bus error)",
+    "SIGFPE": " (arithmetic error)",
+}
+
+
+class RankFailedError(LaunchError):
+    """One or more ranks failed; the others were stopped.
+
+    ``failures`` lists every failed rank, the root cause (earliest) first. When the
+    rank raised an exception whose type can be rebuilt here, the error raised in the
+    notebook is also an instance of that type, so ``except ValueError`` still works.
+    """
+
+    remote_type: ClassVar[type[BaseException] | None] = None
+
+    def __init__(self, message: str, failures: list[RankFailure]) -> None:
+        super().__init__(message)
+        self.message = message
+        self.failures = failures
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (_rebuild_rank_failed_error, (self.remote_type, self.message, self.failures))
+
+
+class LaunchTimeoutError(LaunchError, TimeoutError):
+    """The launch ran past its ``timeout``; every rank was stopped."""
+
+
+class LaunchStoppedError(LaunchError):
+    """The launch was stopped from outside the cell (the JupyterLab sidebar)."""
+
+
+_typed_classes: dict[type[BaseException], type[RankFailedError]] = {}
+
+
+def rank_failed_error_class(remote_type: type[BaseException] | None) -> type[RankFailedError]:
+    """RankFailedError, made a subclass of the rank's exception type where Python allows it."""
+    if remote_type is None or not issubclass(remote_type, Exception):
+        return RankFailedError
+    if issubclass(remote_type, RankFailedError):
+        return RankFailedError
+    cls = _typed_classes.get(remote_type)
+    if cls is None:
+        try:
+            cls = type(
+                f"RankFailedError[{remote_type.__qualname__}]",
+                (RankFailedError, remote_type),
+                {"remote_type": remote_type, "__module__": __name__},
+            )
+        except TypeError:  # e.g. OSError: its instance layout cannot be combined
+            return RankFailedError
+        _typed_classes[remote_type] = cls
+    return cls
+
+
+def _rebuild_rank_failed_error(
+    remote_type: type[BaseException] | None, message: str, failures: list[RankFailure]
+) -> RankFailedError:
+    return rank_failed_error_class(remote_type)(message, failures)

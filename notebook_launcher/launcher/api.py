@@ -1,0 +1,98 @@
+"""``notebook_launcher()`` and ``debug_launcher()``: accelerate's signature, kept."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from notebook_launcher import hardware
+from notebook_launcher.launcher import options
+from notebook_launcher.launcher.events import LaunchObserver
+from notebook_launcher.launcher.printer import TextPrinter
+from notebook_launcher.launcher.run import execute
+from notebook_launcher.launcher.start_method import KernelState
+
+
+def notebook_launcher(
+    function: Callable[..., Any],
+    args: tuple[Any, ...] | list[Any] = (),
+    num_processes: int | None = None,
+    mixed_precision: str | None = None,
+    use_port: int | str | None = None,
+    master_addr: str = "127.0.0.1",
+    node_rank: int = 0,
+    num_nodes: int = 1,
+    rdzv_backend: str = "static",
+    rdzv_endpoint: str = "",
+    rdzv_conf: dict[str, Any] | None = None,
+    rdzv_id: str = "none",
+    max_restarts: int = 0,
+    monitor_interval: float = 0.1,
+    log_line_prefix_template: str | None = None,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    hardware: str = "auto",
+    start_method: str | None = None,
+    timeout: float | None = None,
+    return_all: bool = False,
+    output: str = "all",
+    observers: list[LaunchObserver] | None = None,
+) -> Any:
+    """Run ``function(*args, **kwargs)`` on ``num_processes`` ranks of this machine.
+
+    Every rank sees torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), so
+    ``torch.distributed.init_process_group()`` needs no arguments inside. Each rank's
+    output streams into the calling cell with a rank prefix. Returns rank 0's return
+    value, or every rank's in a list with ``return_all=True``. If a rank fails, the
+    others are stopped and :class:`~notebook_launcher.errors.RankFailedError` (also an
+    instance of the rank's exception type where possible) carries its traceback.
+
+    Args:
+        num_processes: ranks to start; default one per GPU, else 2 CPU ranks.
+        mixed_precision: "no", "bf16", "fp16" or "fp8", passed to each rank as
+            ACCELERATE_MIXED_PRECISION for the training core (or accelerate) to apply.
+        use_port: the rendezvous port; default a free one, held by this kernel.
+        hardware: "auto", "cpu" or "cuda".
+        start_method: "auto" (fork when safe, else a warm forkserver), "fork",
+            "forkserver" or "spawn".
+        timeout: seconds after which a still-running launch is stopped with an error.
+        output: "all" (every rank), "main" (rank 0 only) or "none".
+        observers: extra receivers of launch events (a dashboard).
+    """
+    options.check_not_inside_rank()
+    options.check_function(function)
+    call_args, call_kwargs = options.check_args(args, kwargs)
+    options.check_scale_out_unused(
+        node_rank, num_nodes, rdzv_backend, rdzv_endpoint, rdzv_conf, rdzv_id, max_restarts
+    )
+    report = hardware_report()
+    accelerator = options.resolve_accelerator(hardware, report)
+    num = options.check_num_processes(num_processes, accelerator, report)
+    plan = options.LaunchPlan(
+        num_processes=num,
+        accelerator=accelerator,
+        mixed_precision=options.check_mixed_precision(mixed_precision, accelerator, report),
+        start=options.choose_start(start_method, KernelState.detect()),
+        master_addr=master_addr,
+        port=options.check_port(use_port),
+        threads_per_rank=options.threads_per_rank(num, report),
+        timeout=options.check_seconds("timeout", timeout, allow_none=True),
+        monitor_interval=options.check_seconds("monitor_interval", monitor_interval, allow_none=False)
+        or 0.1,
+        output=options.check_output(output),
+        prefix_template=options.check_prefix_template(log_line_prefix_template),
+        return_all=bool(return_all),
+    )
+    printer = TextPrinter(plan.output, plan.prefix_template)
+    values = execute(plan, function, call_args, call_kwargs, [printer, *(observers or [])])
+    return values if plan.return_all else values[0]
+
+
+def debug_launcher(
+    function: Callable[..., Any], args: tuple[Any, ...] | list[Any] = (), num_processes: int = 2
+) -> Any:
+    """Run ``function`` on ``num_processes`` CPU ranks, as accelerate's debug_launcher does."""
+    return notebook_launcher(function, args, num_processes=num_processes, hardware="cpu")
+
+
+def hardware_report() -> hardware.HardwareReport:
+    return hardware.detect()

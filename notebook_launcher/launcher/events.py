@@ -1,0 +1,74 @@
+"""What a launch tells its observers (the text printer now, a live dashboard later).
+
+The launcher knows nothing of how events are shown: it calls ``on_event`` of each
+observer from the thread that called ``notebook_launcher()``, which in a notebook is the
+cell's own thread, so whatever an observer prints lands in the calling cell.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, Union
+
+from notebook_launcher.errors import RankFailure
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchStarted:
+    num_processes: int
+    start_method: str
+    accelerator: str
+    mixed_precision: str
+    fallback_reason: str | None  # why "auto" did not fork
+
+
+@dataclasses.dataclass(frozen=True)
+class RankStarted:
+    rank: int
+    pid: int
+    device: str
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputLine:
+    rank: int
+    stream: str  # "stdout" or "stderr"
+    text: str
+    is_progress: bool  # a state of a line redrawn with "\r" (a progress bar)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankProgress:
+    rank: int
+    n: int
+    total: int | None
+    description: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RankMetric:
+    rank: int
+    values: dict[str, float]
+    step: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFinished:
+    rank: int
+    exitcode: int | None
+    failure: RankFailure | None  # None: returned normally, or was stopped by the launcher
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchFinished:
+    outcome: str  # "ok", "failed", "timeout", "interrupted" or "stopped"
+    elapsed: float
+
+
+LaunchEvent = Union[
+    LaunchStarted, RankStarted, OutputLine, RankProgress, RankMetric, RankFinished, LaunchFinished
+]
+
+
+class LaunchObserver(Protocol):
+    def on_event(self, event: LaunchEvent) -> None: ...

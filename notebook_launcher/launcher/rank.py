@@ -1,0 +1,191 @@
+"""What runs inside a rank process, whatever started it (fork, forkserver or spawn).
+
+Kept light to import: the forkserver preloads it together with torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import faulthandler
+import io
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import cloudpickle
+
+from notebook_launcher.launcher.channel import Failure, RankMessage, Result
+
+_channel: Connection | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank needs besides the function itself; pickled for non-fork starts."""
+
+    rank: int
+    local_rank: int
+    environ: dict[str, str]
+    cwd: str
+    sys_path: list[str]
+    accelerator: str
+    threads: int | None
+    python_random_state: Any  # the kernel's RNG states, so every start method sees the same
+    torch_rng_state: bytes | None
+
+
+def send(message: RankMessage) -> None:
+    """Send a message to the launching kernel; a no-op outside a launched rank."""
+    if _channel is not None:
+        _channel.send(message)
+
+
+def run_rank(
+    spec: RankSpec,
+    payload: bytes | tuple[Any, tuple[Any, ...], dict[str, Any]],
+    stdout: Connection,
+    stderr: Connection,
+    channel: Connection,
+) -> None:
+    """Process target: become a clean rank, run the function, report how it ended."""
+    global _channel
+    _channel = channel
+    _detach_from_kernel()
+    _redirect_output(stdout, stderr)
+    _apply_kernel_state(spec)
+    try:
+        function, args, kwargs = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
+        value = function(*args, **kwargs)
+    except SystemExit as exit_request:
+        if exit_request.code not in (None, 0):
+            _report_failure(exit_request)
+            _exit(1)
+        value = None
+    except BaseException as error:
+        _report_failure(error)
+        _exit(1)
+    try:
+        result = Result(cloudpickle.dumps(value))
+    except Exception as error:
+        wrapped = TypeError(
+            f"the return value of rank {spec.rank} (a {type(value).__name__}) cannot be pickled "
+            f"back to the notebook: {error}. Return plain data (numbers, tensors, dicts, state_dicts)."
+        )
+        _report_failure(wrapped)
+        _exit(1)
+    _release_process_group()
+    channel.send(result)
+    _exit(0)
+
+
+def _detach_from_kernel() -> None:
+    # An own process group lets the launcher stop the rank with everything it started
+    # (data loader workers) in one signal, and keeps the kernel's interrupt off the rank.
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _forget_inherited_forkserver()
+    _die_with_parent()
+
+
+def _forget_inherited_forkserver() -> None:
+    """Drop the kernel's forkserver "alive" pipe, which a forkserver hands every child.
+
+    While any rank holds it, the forkserver never sees the kernel die and so never exits,
+    and ranks (which die with the forkserver) would outlive a killed kernel. A rank that
+    needs a forkserver of its own starts a fresh one.
+    """
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    alive_fd = getattr(server, "_forkserver_alive_fd", None)
+    if alive_fd is not None and getattr(server, "_forkserver_pid", None) is None:
+        with contextlib.suppress(OSError):
+            os.close(alive_fd)
+        server._forkserver_alive_fd = None
+        server._forkserver_address = None
+
+
+def _die_with_parent() -> None:
+    """If the kernel (or the forkserver) dies, the rank must not outlive it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before the line above took effect
+        os._exit(1)
+
+
+def _redirect_output(stdout: Connection, stderr: Connection) -> None:
+    """Point fds 1 and 2 at the launcher's pipes, so C/C++ output is caught as well."""
+    for connection, fd in ((stdout, 1), (stderr, 2)):
+        os.dup2(connection.fileno(), fd)
+        connection.close()
+    # Replace whatever the kernel installed (ipykernel's streams talk to its own sockets).
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(
+        os.fdopen(1, "wb", closefd=False), line_buffering=True, errors="backslashreplace"
+    )
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+        os.fdopen(2, "wb", closefd=False), line_buffering=True, errors="backslashreplace"
+    )
+    faulthandler.enable(file=sys.stderr, all_threads=False)
+
+
+def _apply_kernel_state(spec: RankSpec) -> None:
+    os.environ.clear()
+    os.environ.update(spec.environ)
+    with contextlib.suppress(OSError):
+        os.chdir(spec.cwd)
+    sys.path[:] = spec.sys_path
+    random.setstate(spec.python_random_state)
+    torch = sys.modules.get("torch")
+    if torch is None and (spec.torch_rng_state is not None or spec.accelerator == "cuda"):
+        import torch
+    if torch is not None:
+        if spec.torch_rng_state is not None:
+            torch.random.set_rng_state(torch.frombuffer(bytearray(spec.torch_rng_state), dtype=torch.uint8))
+        if spec.threads is not None:
+            torch.set_num_threads(spec.threads)
+        if spec.accelerator == "cuda":
+            torch.cuda.set_device(spec.local_rank)
+
+
+def _report_failure(error: BaseException) -> None:
+    error_type = type(error)
+    qualified = error_type.__qualname__
+    if error_type.__module__ not in ("builtins", "__main__"):
+        qualified = f"{error_type.__module__}.{qualified}"
+    try:
+        pickled: bytes | None = cloudpickle.dumps(error)
+    except Exception:
+        pickled = None
+    frames = error.__traceback__
+    if frames is not None and frames.tb_frame.f_code is run_rank.__code__:
+        frames = frames.tb_next  # the user's code starts below our own frame
+    text = "".join(traceback.format_exception(error_type, error, frames))
+    with contextlib.suppress(Exception):
+        send(Failure(qualified, str(error), text, time.time(), pickled))
+
+
+def _release_process_group() -> None:
+    # A group left open makes torch warn at exit and can hold the store's port.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _exit(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

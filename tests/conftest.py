@@ -1,0 +1,115 @@
+from __future__ import annotations
+
+import os
+import stat
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+
+from notebook_launcher import hardware
+
+
+def rank_processes(pid: int | None = None) -> list[psutil.Process]:
+    """Descendants of ``pid`` other than multiprocessing's long-lived helpers.
+
+    The forkserver (kept warm on purpose) and the resource tracker are not ranks; the
+    ranks a forkserver forked share its command line but are its children, and count.
+    """
+    helpers = []
+    for child in psutil.Process(pid).children(recursive=False):
+        try:
+            cmdline = " ".join(child.cmdline())
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        if "forkserver import main" in cmdline or "resource_tracker" in cmdline:
+            helpers.append(child.pid)
+    return [p for p in psutil.Process(pid).children(recursive=True) if p.pid not in helpers]
+
+
+@pytest.fixture(scope="session")
+def _process_wide_state():
+    """Create what lives once per process, so leak checks see only per-launch leftovers.
+
+    torch's libuv TCPStore opens one pipe pair the first time a store starts and keeps it.
+    """
+    from notebook_launcher.launcher.store import RendezvousStore, bind_listener
+
+    RendezvousStore(bind_listener("127.0.0.1", None), 1).close()
+
+
+@pytest.fixture
+def leak_check(_process_wide_state):
+    """Fail the test if a launch left a process, descriptor, thread or env change behind."""
+    fds_before = set(os.listdir("/proc/self/fd"))
+    threads_before = threading.active_count()
+    environ_before = _environ()
+    yield
+    leftover = rank_processes()
+    assert leftover == [], f"processes left behind: {leftover}"
+    assert threading.active_count() == threads_before
+    assert _environ() == environ_before
+    new_fds = set(os.listdir("/proc/self/fd")) - fds_before
+    # The forkserver and resource tracker, started once per process, keep one pipe each.
+    helpers = {fd for fd in new_fds if _is_helper_fd(fd)}
+    leaked = {fd: _describe_fd(fd) for fd in new_fds - helpers}
+    assert leaked == {}, f"descriptors left open: {leaked}"
+
+
+def _environ() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+def _describe_fd(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "closed"
+
+
+def _is_helper_fd(fd: str) -> bool:
+    from multiprocessing import forkserver, resource_tracker
+
+    known = {
+        getattr(forkserver._forkserver, "_forkserver_alive_fd", None),
+        getattr(resource_tracker._resource_tracker, "_fd", None),
+    }
+    return int(fd) in known
+
+
+@pytest.fixture
+def fake_gpus(tmp_path, monkeypatch):
+    """Put a fake nvidia-smi on PATH reporting the given GPUs; detection is re-run."""
+
+    def install(*gpus: tuple[str, int, str], driver: str = "550.54") -> None:
+        lines = "\n".join(
+            f"{i}, {name}, {memory}, {cap}, {driver}" for i, (name, memory, cap) in enumerate(gpus)
+        )
+        script = tmp_path / "bin" / "nvidia-smi"
+        script.parent.mkdir(exist_ok=True)
+        script.write_text(f"#!/bin/sh\ncat <<'EOF'\n{lines}\nEOF\n")
+        script.chmod(script.stat().st_mode | stat.S_IEXEC)
+        monkeypatch.setenv("PATH", f"{script.parent}{os.pathsep}{os.environ['PATH']}")
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        hardware.detect(refresh=True)
+
+    yield install
+    monkeypatch.undo()
+    hardware.detect(refresh=True)
+
+
+def run_script(source: str, tmp_path: Path, timeout: float = 120) -> str:
+    """Run ``source`` as a __main__ script in a fresh interpreter; return its stdout."""
+    import subprocess
+
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(source))
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=timeout,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, f"script failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout

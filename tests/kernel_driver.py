@@ -1,0 +1,71 @@
+"""Driving a real IPython kernel the way a notebook frontend does (jupyter_client)."""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import textwrap
+import time
+
+from jupyter_client.manager import KernelManager
+
+
+@dataclasses.dataclass
+class CellRun:
+    stdout: str = ""
+    stderr: str = ""
+    result: str | None = None
+    error: dict | None = None  # ename, evalue, traceback
+
+
+class RunningKernel:
+    def __init__(self) -> None:
+        self.manager = KernelManager(kernel_name="python3")
+        self.manager.start_kernel()
+        self.client = self.manager.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=120)
+
+    @property
+    def pid(self) -> int:
+        return self.manager.provisioner.process.pid  # type: ignore[union-attr]
+
+    def run(self, code: str, timeout: float = 120) -> CellRun:
+        return self.collect(self.submit(code), timeout)
+
+    def submit(self, code: str) -> str:
+        return self.client.execute(textwrap.dedent(code))
+
+    def collect(self, msg_id: str, timeout: float = 120, until: str | None = None) -> CellRun:
+        """Gather the cell's outputs until it is idle (or until ``until`` appears in stdout)."""
+        cell = CellRun()
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"cell did not finish in {timeout}s; so far: {cell}")
+            try:
+                message = self.client.get_iopub_msg(timeout=remaining)
+            except queue.Empty:
+                continue
+            if message["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = message["msg_type"], message["content"]
+            if kind == "stream":
+                if content["name"] == "stdout":
+                    cell.stdout += content["text"]
+                else:
+                    cell.stderr += content["text"]
+                if until is not None and until in cell.stdout:
+                    return cell
+            elif kind == "execute_result":
+                cell.result = content["data"].get("text/plain")
+            elif kind == "error":
+                cell.error = content
+            elif kind == "status" and content["execution_state"] == "idle":
+                return cell
+
+    def shutdown(self) -> None:
+        self.client.stop_channels()
+        if self.manager.is_alive():
+            self.manager.shutdown_kernel(now=True)

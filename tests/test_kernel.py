@@ -1,0 +1,157 @@
+"""What a notebook user sees: launches from a real Jupyter kernel."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from .conftest import rank_processes
+from .kernel_driver import RunningKernel
+
+pytestmark = pytest.mark.kernel
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    running = RunningKernel()
+    setup = running.run(
+        """
+        import os, time
+        from notebook_launcher import notebook_launcher
+        GREETING = "hello from"
+        def describe(rank):
+            return f"{GREETING} rank {rank}"
+        """
+    )
+    assert setup.error is None, setup.error
+    yield running
+    running.shutdown()
+
+
+def assert_no_ranks_left(kernel_pid: int, within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while rank_processes(kernel_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert rank_processes(kernel_pid) == []
+
+
+def test_each_ranks_output_appears_in_the_cell_with_its_rank(kernel):
+    cell = kernel.run(
+        """
+        def train(x):
+            rank = int(os.environ["RANK"])
+            print(describe(rank), flush=True)
+            return x * 10 + rank
+        notebook_launcher(train, args=(4,), num_processes=2)
+        """
+    )
+    assert cell.error is None, cell.error
+    assert "[rank0]: hello from rank 0\n" in cell.stdout
+    assert "[rank1]: hello from rank 1\n" in cell.stdout
+    assert cell.result == "40"
+    assert_no_ranks_left(kernel.pid)
+
+
+def test_all_values_come_back_with_return_all(kernel):
+    cell = kernel.run("notebook_launcher(lambda: int(os.environ['RANK']) ** 2, num_processes=2, return_all=True)")
+    assert cell.error is None and cell.result == "[0, 1]"
+
+
+def test_a_failing_rank_shows_its_own_traceback_in_the_cell_and_rerun_works(kernel):
+    failing = """
+        def flaky(lr):
+            if os.environ["RANK"] == "1":
+                raise ValueError(f"lr={lr} diverged")
+            time.sleep(60)
+        try:
+            notebook_launcher(flaky, args=(3.0,), num_processes=2)
+        except ValueError as error:
+            print("caught as ValueError")
+            raise
+        """
+    for _ in range(3):
+        cell = kernel.run(failing)
+        assert "caught as ValueError" in cell.stdout
+        assert cell.error["ename"] == "RankFailedError[ValueError]"
+        assert cell.error["evalue"].startswith("Rank 1 (pid ")
+        assert "raised ValueError: lr=3.0 diverged" in cell.error["evalue"]
+        assert "Traceback from rank 1:" in cell.error["evalue"]
+        assert 'raise ValueError(f"lr={lr} diverged")' in cell.error["evalue"]
+        assert_no_ranks_left(kernel.pid)
+        rerun = kernel.run("notebook_launcher(describe, args=(7,), num_processes=2)")
+        assert rerun.error is None and rerun.result == "'hello from rank 7'"
+
+
+def test_interrupting_the_kernel_stops_every_rank(kernel):
+    msg_id = kernel.submit(
+        """
+        def wait_forever():
+            print("rank", os.environ["RANK"], "waiting", flush=True)
+            time.sleep(600)
+        notebook_launcher(wait_forever, num_processes=2)
+        """
+    )
+    seen = kernel.collect(msg_id, until="waiting")
+    while seen.stdout.count("waiting") < 2:
+        more = kernel.collect(msg_id, until="waiting")
+        seen.stdout += more.stdout
+    ranks = rank_processes(kernel.pid)
+    assert len(ranks) == 2
+    kernel.manager.interrupt_kernel()
+    cell = kernel.collect(msg_id)
+    assert cell.error["ename"] == "KeyboardInterrupt"
+    assert_no_ranks_left(kernel.pid)
+    again = kernel.run("notebook_launcher(describe, args=(1,), num_processes=2)")
+    assert again.error is None
+
+
+def test_ranks_do_not_outlive_a_dead_kernel():
+    doomed = RunningKernel()
+    try:
+        msg_id = doomed.submit(
+            """
+            import os, time
+            from notebook_launcher import notebook_launcher
+            def wait_forever():
+                print("waiting", flush=True)
+                time.sleep(600)
+            notebook_launcher(wait_forever, num_processes=2, start_method="fork")
+            """
+        )
+        doomed.collect(msg_id, until="waiting")
+        time.sleep(0.5)
+        ranks = rank_processes(doomed.pid)
+        assert len(ranks) == 2
+        os.kill(doomed.pid, signal.SIGKILL)
+        gone, alive = psutil.wait_procs(ranks, timeout=5)
+        assert alive == [], f"ranks survived their kernel: {alive}"
+    finally:
+        doomed.shutdown()
+
+
+def test_forkserver_ranks_do_not_outlive_a_dead_kernel():
+    doomed = RunningKernel()
+    try:
+        msg_id = doomed.submit(
+            """
+            import os, time
+            from notebook_launcher import notebook_launcher
+            def wait_forever():
+                print("waiting", flush=True)
+                time.sleep(600)
+            notebook_launcher(wait_forever, num_processes=2, start_method="forkserver")
+            """
+        )
+        doomed.collect(msg_id, until="waiting")
+        time.sleep(0.5)
+        everything = psutil.Process(doomed.pid).children(recursive=True)
+        assert len(rank_processes(doomed.pid)) == 2
+        os.kill(doomed.pid, signal.SIGKILL)
+        gone, alive = psutil.wait_procs(everything, timeout=5)
+        assert alive == [], f"processes survived their kernel: {alive}"
+    finally:
+        doomed.shutdown()
