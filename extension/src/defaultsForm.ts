@@ -131,8 +131,12 @@ export class DefaultsWidget extends Widget {
   }
 
   private _select(defaults: ILaunchDefaults): void {
-    this._processes.value =
-      defaults.num_processes === null ? AUTO : String(defaults.num_processes);
+    const processes = defaults.num_processes === null ? AUTO : String(defaults.num_processes);
+    if (![...this._processes.options].some(option => option.value === processes)) {
+      // Saved by hand or on another machine: still show it rather than a blank choice.
+      this._processes.append(h('option', { text: processes, attrs: { value: processes } }));
+    }
+    this._processes.value = processes;
     this._precision.value = defaults.mixed_precision ?? AUTO;
     this._method.value =
       defaults.start_method === null || defaults.start_method === 'auto'

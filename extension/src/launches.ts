@@ -88,7 +88,7 @@ export class LaunchesWidget extends Widget {
         h('div', { className: 'jp-NotebookLauncher-launch-where', text: where, attrs: { title: where } }),
         h('div', {
           className: 'jp-NotebookLauncher-launch-what',
-          text: `${launch.num_processes} x ${device} ranks, ${launch.mixed_precision}, ${launch.start_method}`
+          text: `${launch.num_processes} x ${device} rank${launch.num_processes === 1 ? '' : 's'}, ${launch.mixed_precision}, ${launch.start_method}`
         }),
         h('div', {
           className: 'jp-NotebookLauncher-launch-state',
