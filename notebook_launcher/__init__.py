@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib.metadata
+from typing import Any
 
 from notebook_launcher.errors import (
+    AcceleratorError,
     LaunchConfigError,
     LaunchError,
     LaunchStoppedError,
@@ -18,7 +20,37 @@ try:
 except importlib.metadata.PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0"
 
+# The training core imports torch; loaded on first use so that `import notebook_launcher`
+# stays fast in a kernel that only launches.
+_TRAINING_CORE = {
+    "Accelerator",
+    "AutocastKwargs",
+    "DataLoaderConfiguration",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "FullyShardedDataParallelPlugin",
+    "GradScalerKwargs",
+    "set_seed",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TRAINING_CORE:
+        from notebook_launcher import accelerator
+
+        return getattr(accelerator, name)
+    raise AttributeError(f"module 'notebook_launcher' has no attribute {name!r}")
+
+
 __all__ = [
+    "Accelerator",
+    "AcceleratorError",
+    "AutocastKwargs",
+    "DataLoaderConfiguration",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "FullyShardedDataParallelPlugin",
+    "GradScalerKwargs",
     "LaunchConfigError",
     "LaunchError",
     "LaunchStoppedError",
@@ -27,4 +59,5 @@ __all__ = [
     "__version__",
     "debug_launcher",
     "notebook_launcher",
+    "set_seed",
 ]

@@ -1,8 +1,12 @@
-"""The exceptions a launch raises in the notebook.
+"""The package's exceptions: what a launch raises in the notebook, and what the
+training core raises inside a rank.
 
 Bad input raises :class:`LaunchConfigError` before any process starts. A launch that
 ran raises :class:`RankFailedError` (carrying each rank's failure as data),
-:class:`LaunchTimeoutError` or :class:`LaunchStoppedError`.
+:class:`LaunchTimeoutError` or :class:`LaunchStoppedError`. The training core's errors
+derive from :class:`AcceleratorError` and also from the builtin a caller would catch
+without knowing this package (``ValueError`` for a bad setting, ``ImportError`` for a
+missing optional package).
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ class RankFailedError(LaunchError):
     def __str__(self) -> str:
         return self.message
 
-    def __reduce__(self):  # type: ignore[no-untyped-def]
+    def __reduce__(self) -> tuple[object, ...]:
         return (_rebuild_rank_failed_error, (self.remote_type, self.message, self.failures))
 
 
@@ -123,3 +127,26 @@ def _rebuild_rank_failed_error(
     remote_type: type[BaseException] | None, message: str, failures: list[RankFailure]
 ) -> RankFailedError:
     return rank_failed_error_class(remote_type)(message, failures)
+
+
+# The training core (Accelerator) ---------------------------------------------------
+
+
+class AcceleratorError(Exception):
+    """Base of every error the training core raises about its use."""
+
+
+class MixedPrecisionError(AcceleratorError, ValueError):
+    """The precision asked for is unknown or cannot run on this device."""
+
+
+class RankEnvironmentError(AcceleratorError, ValueError):
+    """The rank variables (RANK, WORLD_SIZE, ...) are missing, malformed or inconsistent."""
+
+
+class ShardingError(AcceleratorError, ValueError):
+    """A data loader cannot be split across the ranks as configured."""
+
+
+class MissingDependencyError(AcceleratorError, ImportError):
+    """An optional package a chosen feature needs is not installed."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import stat
 import sys
+import tempfile
 import textwrap
 import threading
 from pathlib import Path
@@ -11,6 +12,10 @@ import psutil
 import pytest
 
 from notebook_launcher import hardware
+
+# Launches the tests make register in a private runtime dir: a test that stops "the running
+# launch" must never find a launch of the user's (or of another test session).
+os.environ["JUPYTER_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="notebook-launcher-tests-")
 
 
 def rank_processes(pid: int | None = None) -> list[psutil.Process]:
@@ -47,16 +52,24 @@ def leak_check(_process_wide_state):
     fds_before = set(os.listdir("/proc/self/fd"))
     threads_before = threading.active_count()
     environ_before = _environ()
+    handlers_before = _signal_handlers()
     yield
     leftover = rank_processes()
     assert leftover == [], f"processes left behind: {leftover}"
     assert threading.active_count() == threads_before
     assert _environ() == environ_before
+    assert _signal_handlers() == handlers_before
     new_fds = set(os.listdir("/proc/self/fd")) - fds_before
     # The forkserver and resource tracker, started once per process, keep one pipe each.
     helpers = {fd for fd in new_fds if _is_helper_fd(fd)}
     leaked = {fd: _describe_fd(fd) for fd in new_fds - helpers}
     assert leaked == {}, f"descriptors left open: {leaked}"
+
+
+def _signal_handlers() -> dict[int, object]:
+    import signal
+
+    return {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE)}
 
 
 def _environ() -> dict[str, str]:

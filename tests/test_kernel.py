@@ -127,7 +127,7 @@ def test_ranks_do_not_outlive_a_dead_kernel():
         ranks = rank_processes(doomed.pid)
         assert len(ranks) == 2
         os.kill(doomed.pid, signal.SIGKILL)
-        gone, alive = psutil.wait_procs(ranks, timeout=5)
+        _, alive = psutil.wait_procs(ranks, timeout=5)
         assert alive == [], f"ranks survived their kernel: {alive}"
     finally:
         doomed.shutdown()
@@ -151,7 +151,7 @@ def test_forkserver_ranks_do_not_outlive_a_dead_kernel():
         everything = psutil.Process(doomed.pid).children(recursive=True)
         assert len(rank_processes(doomed.pid)) == 2
         os.kill(doomed.pid, signal.SIGKILL)
-        gone, alive = psutil.wait_procs(everything, timeout=5)
+        _, alive = psutil.wait_procs(everything, timeout=5)
         assert alive == [], f"processes survived their kernel: {alive}"
     finally:
         doomed.shutdown()

@@ -16,7 +16,7 @@ from notebook_launcher import (
     notebook_launcher,
 )
 
-from .conftest import rank_processes, run_script
+from .conftest import run_script
 
 METHODS = ["fork", "forkserver", "spawn"]
 
@@ -365,3 +365,30 @@ def test_hugging_face_accelerate_inside_a_rank_sees_the_launch(leak_check):
 
 def test_debug_launcher_runs_cpu_ranks(leak_check):
     assert debug_launcher(all_reduce_ranks, (1,)) == (0, 2, 3.0)
+
+
+def log_losses():
+    from notebook_launcher import Accelerator
+
+    accelerator = Accelerator()
+    for step in range(3):
+        accelerator.log({"loss": (accelerator.process_index + 1) / (step + 1)}, step=step)
+
+
+def test_what_ranks_log_reaches_the_launch_observers(leak_check):
+    from notebook_launcher.launcher.events import RankMetric
+
+    class Collector:
+        def __init__(self):
+            self.metrics = []
+
+        def on_event(self, event):
+            if isinstance(event, RankMetric):
+                self.metrics.append((event.rank, event.step, event.values))
+
+    collector = Collector()
+    notebook_launcher(log_losses, num_processes=2, observers=[collector])
+    assert sorted(collector.metrics) == [
+        (0, 0, {"loss": 1.0}), (0, 1, {"loss": 0.5}), (0, 2, {"loss": 1 / 3}),
+        (1, 0, {"loss": 2.0}), (1, 1, {"loss": 1.0}), (1, 2, {"loss": 2 / 3}),
+    ]

@@ -174,7 +174,7 @@ def check_port(use_port: Any) -> int | None:
 def check_seconds(name: str, value: Any, allow_none: bool) -> float | None:
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
         raise LaunchConfigError(f"{name} must be a positive number of seconds; got {value!r}.")
     return float(value)
 

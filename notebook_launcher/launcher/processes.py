@@ -111,8 +111,10 @@ def _main_module_hidden(hide: bool) -> Iterator[None]:
     arguments by value, so they never need that module.
     """
     main = sys.modules["__main__"]
-    saved = {name: main.__dict__[name] for name in ("__spec__", "__file__") if name in main.__dict__}
-    if not hide or not saved.get("__file__") and saved.get("__spec__") is None:
+    saved: dict[str, Any] = {
+        name: main.__dict__[name] for name in ("__spec__", "__file__") if name in main.__dict__
+    }
+    if not hide or (not saved.get("__file__") and saved.get("__spec__") is None):
         yield
         return
     main.__spec__ = None

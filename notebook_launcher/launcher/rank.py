@@ -20,7 +20,8 @@ from typing import Any
 
 import cloudpickle
 
-from notebook_launcher.launcher.channel import Failure, RankMessage, Result
+from notebook_launcher.launcher.channel import Failure, Metric, RankMessage, Result
+from notebook_launcher.tracking import add_metric_sink
 
 _channel: Connection | None = None
 
@@ -56,6 +57,7 @@ def run_rank(
     """Process target: become a clean rank, run the function, report how it ended."""
     global _channel
     _channel = channel
+    add_metric_sink(_forward_metric)
     _detach_from_kernel()
     _redirect_output(stdout, stderr)
     _apply_kernel_state(spec)
@@ -84,6 +86,16 @@ def run_rank(
     _exit(0)
 
 
+def _forward_metric(rank: int, step: int | None, values: dict[str, Any]) -> None:
+    """What ``Accelerator.log`` records travels to the kernel (for a live plot)."""
+    numbers: dict[str, float] = {}
+    for name, value in values.items():
+        with contextlib.suppress(TypeError, ValueError, RuntimeError):
+            numbers[name] = float(value)
+    if numbers:
+        send(Metric(numbers, step))
+
+
 def _detach_from_kernel() -> None:
     # An own process group lets the launcher stop the rank with everything it started
     # (data loader workers) in one signal, and keeps the kernel's interrupt off the rank.
@@ -104,7 +116,7 @@ def _forget_inherited_forkserver() -> None:
     """
     from multiprocessing import forkserver
 
-    server = forkserver._forkserver  # type: ignore[attr-defined]
+    server: Any = forkserver._forkserver
     alive_fd = getattr(server, "_forkserver_alive_fd", None)
     if alive_fd is not None and getattr(server, "_forkserver_pid", None) is None:
         with contextlib.suppress(OSError):
@@ -131,12 +143,12 @@ def _redirect_output(stdout: Connection, stderr: Connection) -> None:
         os.dup2(connection.fileno(), fd)
         connection.close()
     # Replace whatever the kernel installed (ipykernel's streams talk to its own sockets).
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(
-        os.fdopen(1, "wb", closefd=False), line_buffering=True, errors="backslashreplace"
-    )
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
-        os.fdopen(2, "wb", closefd=False), line_buffering=True, errors="backslashreplace"
-    )
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        stream = io.TextIOWrapper(
+            os.fdopen(fd, "wb", closefd=False), line_buffering=True, errors="backslashreplace"
+        )
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
     faulthandler.enable(file=sys.stderr, all_threads=False)
 
 

@@ -1,0 +1,79 @@
+"""Settings objects passed to ``Accelerator(kwargs_handlers=[...])``, named as in accelerate.
+
+Each handler turns into keyword arguments for one torch constructor. Only the fields a
+user changed are passed on, so torch's own defaults apply to everything else (and a
+torch release that changes a default is followed rather than overridden).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+
+@dataclasses.dataclass
+class KwargsHandler:
+    def to_kwargs(self) -> dict[str, Any]:
+        """The fields that differ from this class's defaults."""
+        default = type(self)()
+        return {
+            field.name: getattr(self, field.name)
+            for field in dataclasses.fields(self)
+            if getattr(self, field.name) != getattr(default, field.name)
+        }
+
+
+@dataclasses.dataclass
+class AutocastKwargs(KwargsHandler):
+    """Arguments for ``torch.autocast`` around the forward pass."""
+
+    enabled: bool = True
+    cache_enabled: bool | None = None
+
+
+@dataclasses.dataclass
+class DistributedDataParallelKwargs(KwargsHandler):
+    """Arguments for ``torch.nn.parallel.DistributedDataParallel``."""
+
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+
+
+@dataclasses.dataclass
+class GradScalerKwargs(KwargsHandler):
+    """Arguments for ``torch.amp.GradScaler`` (used with mixed_precision="fp16")."""
+
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+
+@dataclasses.dataclass
+class FullyShardedDataParallelPlugin:
+    """Shard the model with FSDP2 (``torch.distributed.fsdp.fully_shard``) instead of DDP.
+
+    ``shard_module_types``: the submodule classes that become their own FSDP unit (for
+    a transformer, its block class). When None, every direct child of the model that
+    holds parameters is one unit. The root module is always sharded last.
+    """
+
+    reshard_after_forward: bool = True
+    shard_module_types: tuple[type[torch.nn.Module], ...] | None = None
+    # Called on each submodule; True makes it an FSDP unit. Overrides shard_module_types.
+    shard_module_filter: Callable[[torch.nn.Module], bool] | None = None
+
+
+KWARGS_HANDLER_TYPES: tuple[type[KwargsHandler], ...] = (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+)

@@ -1,0 +1,30 @@
+"""Where ``Accelerator.log`` sends metrics (kept apart from the core so that a rank can
+forward them without importing torch-heavy modules).
+
+The training core knows nothing of the launcher; a launcher (or a user) that wants the
+metrics registers a sink here, e.g. one that forwards them as launch events to the
+notebook's live plot. Without a sink, ``log`` only keeps them in ``Accelerator.logged``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+MetricSink = Callable[[int, "int | None", "dict[str, Any]"], None]  # (rank, step, values)
+
+_sinks: list[MetricSink] = []
+
+
+def add_metric_sink(sink: MetricSink) -> None:
+    if sink not in _sinks:
+        _sinks.append(sink)
+
+
+def remove_metric_sink(sink: MetricSink) -> None:
+    if sink in _sinks:
+        _sinks.remove(sink)
+
+
+def emit(rank: int, step: int | None, values: dict[str, Any]) -> None:
+    for sink in list(_sinks):
+        sink(rank, step, values)
