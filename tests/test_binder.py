@@ -37,7 +37,7 @@ def _run(args: list[str], env: dict[str, str], cwd: Path = ROOT, timeout: float 
         pytest.fail(
             f"{' '.join(args)} exited with {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
         )
-    return done.stdout + done.stderr
+    return re.sub(r"\x1b\[[0-9;]*m", "", done.stdout + done.stderr)  # jupyter colours its lists
 
 
 @pytest.fixture(scope="module")
