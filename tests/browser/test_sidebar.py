@@ -1,0 +1,381 @@
+"""The "Distributed" sidebar in a real JupyterLab, driven through Debian's chromium.
+
+JupyterLab runs on loopback with a token, in temporary Jupyter directories; the lab
+extension is the one built into notebook_launcher/labextension. Screenshots go to
+artifacts/. Needs `apt-get install chromium` and a built extension (`jlpm build:prod`
+in extension/); without them the tests are skipped, unless NOTEBOOK_LAUNCHER_BROWSER_TESTS=1
+(as in CI), where they fail instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import notebook_launcher
+from notebook_launcher import defaults as launch_defaults
+from notebook_launcher.hardware import available_cpu_count
+
+pytestmark = pytest.mark.timeout(240)
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "artifacts"
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
+LABEXTENSION = "notebook-launcher-labextension"
+BUILT = Path(notebook_launcher.__file__).parent / "labextension"
+SIDEBAR_TAB = 'li[data-id="notebook-launcher-sidebar"]'
+SIDEBAR = "#notebook-launcher-sidebar"
+
+
+def _missing(what: str) -> None:
+    if os.environ.get("NOTEBOOK_LAUNCHER_BROWSER_TESTS") == "1":
+        pytest.fail(what)
+    pytest.skip(what)
+
+
+@dataclass
+class Lab:
+    url: str
+    token: str
+    root_dir: Path
+    config_dir: Path
+    env: dict[str, str]
+
+    def page_url(self, path: str = "lab") -> str:
+        return f"{self.url}{path}?reset&token={self.token}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_until_up(url: str, token: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"JupyterLab exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}api/status?token={token}", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    pytest.fail(f"JupyterLab did not answer at {url} within 90 s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    if not CHROMIUM.exists():
+        _missing(f"{CHROMIUM} is missing: apt-get install -y chromium")
+    if not (BUILT / "package.json").exists():
+        _missing(
+            f"the lab extension is not built ({BUILT}): run `jlpm install && jlpm build:prod` in extension/"
+        )
+    base = tmp_path_factory.mktemp("lab")
+    dirs = {
+        name: base / name
+        for name in (
+            "root",
+            "config",
+            "data",
+            "runtime",
+            "share",
+            "settings",
+            "user-settings",
+            "workspaces",
+        )
+    }
+    for path in dirs.values():
+        path.mkdir()
+    # The built extension, as `pip install` would place it (first on the search path).
+    (dirs["share"] / "labextensions").mkdir()
+    (dirs["share"] / "labextensions" / LABEXTENSION).symlink_to(BUILT, target_is_directory=True)
+    (dirs["settings"] / "overrides.json").write_text(
+        json.dumps({"@jupyterlab/apputils-extension:notification": {"fetchNews": "false"}})
+    )
+    (dirs["config"] / "jupyter_server_config.json").write_text(
+        json.dumps({"ServerApp": {"jpserver_extensions": {"notebook_launcher.server": True}}})
+    )
+    env = {
+        **os.environ,
+        "JUPYTER_CONFIG_DIR": str(dirs["config"]),
+        "JUPYTER_DATA_DIR": str(dirs["data"]),
+        "JUPYTER_RUNTIME_DIR": str(dirs["runtime"]),
+        "JUPYTER_PATH": str(dirs["share"]),
+        "JUPYTERLAB_SETTINGS_DIR": str(dirs["user-settings"]),
+        "JUPYTERLAB_WORKSPACES_DIR": str(dirs["workspaces"]),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    port, token = _free_port(), secrets.token_hex(16)
+    log = base / "jupyterlab.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [
+                sys.executable, "-m", "jupyterlab",
+                "--no-browser", "--allow-root", "--expose-app-in-browser",
+                "--ip=127.0.0.1", f"--port={port}",
+                f"--IdentityProvider.token={token}",
+                f"--ServerApp.root_dir={dirs['root']}",
+                f"--LabApp.app_settings_dir={dirs['settings']}",
+            ],
+            env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        _wait_until_up(url, token, process, log)
+        yield Lab(url, token, dirs["root"], dirs["config"], env)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def browser(lab: Lab) -> Iterator[object]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser: object, lab: Lab, request: pytest.FixtureRequest) -> Iterator[object]:
+    context = browser.new_context(viewport={"width": 1400, "height": 900})  # type: ignore[attr-defined]
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    failed_before = request.session.testsfailed
+    yield page
+    if request.session.testsfailed > failed_before:  # what the page showed when it failed
+        _screenshot(page, f"failed-{request.node.name}")
+    context.close()
+
+
+def _screenshot(page: object, name: str) -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / f"{name}.png"
+    page.screenshot(path=str(path))  # type: ignore[attr-defined]
+    return path
+
+
+def _open_sidebar(page: object, lab: Lab, path: str = "lab") -> object:
+    page.goto(lab.page_url(path))  # type: ignore[attr-defined]
+    page.locator(SIDEBAR_TAB).click()  # type: ignore[attr-defined]
+    sidebar = page.locator(SIDEBAR)  # type: ignore[attr-defined]
+    sidebar.get_by_text("CPU cores").wait_for()
+    return sidebar
+
+
+def test_sidebar_shows_hardware_and_saves_the_chosen_defaults(page: object, lab: Lab) -> None:
+    from playwright.sync_api import expect
+
+    path = lab.config_dir / "notebook_launcher" / "defaults.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text('{"mixed_precision": "fp32"}')  # hand-edited and wrong
+
+    sidebar = _open_sidebar(page, lab)
+    expect(sidebar.locator("dd").nth(1)).to_have_text(str(available_cpu_count()))  # type: ignore[attr-defined]
+    expect(sidebar).to_contain_text("Python")  # type: ignore[arg-type]
+    expect(sidebar).to_contain_text("torch")  # type: ignore[arg-type]
+    # The broken file is reported, not silently dropped.
+    expect(sidebar.get_by_role("alert")).to_contain_text(  # type: ignore[attr-defined]
+        f"Ignoring the launch defaults file {path}: mixed_precision must be one of"
+    )
+    # Impossible choices are disabled, with the reason shown.
+    precision = sidebar.get_by_label("Mixed precision")  # type: ignore[attr-defined]
+    expect(precision.locator('option[value="fp16"]')).to_be_disabled()
+    expect(precision.locator('option[value="bf16"]')).to_be_enabled()
+    expect(sidebar).to_contain_text(  # type: ignore[arg-type]
+        "fp16: fp16 training needs a CUDA GPU (gradient scaling); this machine runs ranks on CPU: use bf16"
+    )
+    _screenshot(page, "sidebar-1-hardware")
+
+    sidebar.get_by_label("Processes").select_option("2")  # type: ignore[attr-defined]
+    precision.select_option("bf16")
+    sidebar.get_by_label("Start method").select_option("fork")  # type: ignore[attr-defined]
+    sidebar.get_by_role("button", name="Save defaults").click()  # type: ignore[attr-defined]
+    expect(sidebar.get_by_role("status")).to_have_text("Saved.")  # type: ignore[attr-defined]
+    expect(sidebar.locator(".jp-NotebookLauncher-description")).to_have_text(
+        "2 x CPU ranks, bf16, fork"
+    )  # type: ignore[attr-defined]
+    expect(sidebar.get_by_role("alert")).to_have_count(0)  # type: ignore[attr-defined]
+    _screenshot(page, "sidebar-2-saved")
+
+    assert json.loads(path.read_text()) == {
+        "num_processes": 2,
+        "mixed_precision": "bf16",
+        "start_method": "fork",
+    }
+    os.environ["JUPYTER_CONFIG_DIR"], saved_env = (
+        str(lab.config_dir),
+        os.environ.get("JUPYTER_CONFIG_DIR"),
+    )
+    try:
+        assert launch_defaults.load_defaults() == launch_defaults.LaunchDefaults(2, "bf16", "fork")
+    finally:
+        if saved_env is None:
+            del os.environ["JUPYTER_CONFIG_DIR"]
+        else:
+            os.environ["JUPYTER_CONFIG_DIR"] = saved_env
+
+    # A reload shows what was saved.
+    sidebar = _open_sidebar(page, lab)
+    expect(sidebar.get_by_label("Mixed precision")).to_have_value("bf16")  # type: ignore[attr-defined]
+    expect(sidebar.get_by_label("Processes")).to_have_value("2")  # type: ignore[attr-defined]
+
+
+LAUNCH_CELL = """\
+import os, time
+from notebook_launcher import notebook_launcher
+
+def train():
+    print("WORLD_SIZE", os.environ["WORLD_SIZE"], "precision", os.environ["ACCELERATE_MIXED_PRECISION"], flush=True)
+    time.sleep({sleep})
+
+notebook_launcher(train{arguments})
+"""
+
+
+def _wait_for_idle_kernel(page: object) -> None:
+    page.locator(".jp-Notebook").wait_for()  # type: ignore[attr-defined]
+    page.wait_for_function(  # type: ignore[attr-defined]
+        "() => window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel?.status === 'idle'",
+        timeout=90_000,
+    )
+
+
+def _run_notebook_in_lab(page: object, lab: Lab, name: str, source: str) -> object:
+    """Open a one-cell notebook next to the sidebar and start running it (without waiting)."""
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
+    notebook.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    nbformat.write(notebook, lab.root_dir / name)
+    sidebar = _open_sidebar(page, lab, f"lab/tree/{name}")
+    _wait_for_idle_kernel(page)
+    # Not awaited: the command's promise settles only when the cell has finished.
+    page.evaluate("() => { void window.jupyterapp.commands.execute('notebook:run-all-cells'); }")  # type: ignore[attr-defined]
+    return sidebar
+
+
+def _save_defaults_through_the_server(lab: Lab, chosen: dict[str, object]) -> None:
+    request = urllib.request.Request(
+        f"{lab.url}notebook-launcher/defaults",
+        data=json.dumps(chosen).encode(),
+        method="POST",
+        headers={"Authorization": f"token {lab.token}"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200
+
+
+def test_a_running_launch_is_listed_and_stopped_from_the_sidebar(page: object, lab: Lab) -> None:
+    from playwright.sync_api import expect
+
+    source = LAUNCH_CELL.format(
+        sleep=120, arguments=', num_processes=2, mixed_precision="bf16", start_method="fork"'
+    )
+    sidebar = _run_notebook_in_lab(page, lab, "launch.ipynb", source)
+    output = page.locator(".jp-OutputArea-output")  # type: ignore[attr-defined]
+    row = sidebar.locator(".jp-NotebookLauncher-launch")  # type: ignore[attr-defined]
+    expect(row).to_contain_text("launch.ipynb", timeout=60_000)
+    expect(row).to_contain_text("2 x CPU ranks, bf16, fork")
+    expect(row).to_contain_text("running since")
+    expect(output.first).to_contain_text("WORLD_SIZE 2 precision bf16", timeout=30_000)
+    _screenshot(page, "sidebar-3-running-launch")
+
+    started = time.monotonic()
+    row.get_by_role("button", name="Stop").click()
+    expect(output.last).to_contain_text(
+        "LaunchStoppedError: the launch was stopped from the JupyterLab sidebar; every rank was stopped.",
+        timeout=30_000,
+    )
+    assert time.monotonic() - started < 30  # the ranks' 120 s sleep was cut short
+    expect(sidebar).to_contain_text("No launch is running.", timeout=15_000)  # type: ignore[arg-type]
+    expect(sidebar.get_by_role("alert")).to_have_count(0)  # type: ignore[attr-defined]
+    _screenshot(page, "sidebar-4-stopped")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="notebook_launcher() does not read notebook_launcher.defaults.load_defaults() yet",
+)
+def test_a_launch_without_arguments_uses_the_saved_defaults(page: object, lab: Lab) -> None:
+    from playwright.sync_api import expect
+
+    _save_defaults_through_the_server(
+        lab, {"num_processes": 2, "mixed_precision": "bf16", "start_method": "fork"}
+    )
+    sidebar = _run_notebook_in_lab(
+        page, lab, "defaults.ipynb", LAUNCH_CELL.format(sleep=120, arguments="")
+    )
+    row = sidebar.locator(".jp-NotebookLauncher-launch")  # type: ignore[attr-defined]
+    expect(row).to_contain_text("defaults.ipynb", timeout=60_000)
+    output = page.locator(".jp-OutputArea-output")  # type: ignore[attr-defined]
+    try:
+        expect(output.first).to_contain_text("WORLD_SIZE 2 precision bf16", timeout=15_000)
+        expect(row).to_contain_text("2 x CPU ranks, bf16, fork", timeout=5_000)
+        _screenshot(page, "sidebar-6-saved-defaults-used")
+    finally:
+        row.get_by_role("button", name="Stop").click()
+        expect(sidebar).to_contain_text("No launch is running.", timeout=30_000)  # type: ignore[arg-type]
+
+
+def test_server_errors_are_shown_in_the_sidebar(page: object, lab: Lab) -> None:
+    from playwright.sync_api import expect
+
+    sidebar = _open_sidebar(page, lab)
+    # The launch ended meanwhile (or never existed): the server's 404 reason reaches the user.
+    page.route(  # type: ignore[attr-defined]
+        re.compile(r"/notebook-launcher/launches(\?|$)"),  # the client adds a cache-busting query
+        lambda route: route.fulfill(
+            status=200,
+            content_type="application/json",
+            body=json.dumps({
+                "launches": [{
+                    "launch_id": "gone01", "kernel_id": None, "kernel_pid": 1, "notebook": "old.ipynb",
+                    "num_processes": 2, "accelerator": "cpu", "mixed_precision": "no",
+                    "start_method": "spawn", "state": "running", "started_at": time.time(),
+                    "rank_pids": [],
+                }],
+                "now": time.time(),
+            }),
+        ),
+    )  # fmt: skip
+    row = sidebar.locator(".jp-NotebookLauncher-launch")  # type: ignore[attr-defined]
+    expect(row).to_contain_text("old.ipynb", timeout=15_000)
+    row.get_by_role("button", name="Stop").click()
+    expect(sidebar.get_by_role("alert")).to_have_text(  # type: ignore[attr-defined]
+        "Could not stop the launch: No running launch has the id 'gone01'; it may have finished "
+        "already. The list of launches shows the ones running now."
+    )
+    _screenshot(page, "sidebar-5-error")
