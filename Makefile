@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean browser extension
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,9 +25,19 @@ setup: $(VENV)/.installed
 demo: setup
 	$(BIN)/python examples/run_notebook.py examples/01_quickstart.ipynb
 
+# The sidebar's browser tests drive Debian's chromium through Playwright (never a browser
+# downloaded by Playwright); installing it needs root, as on CI.
+browser:
+	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+
+# The install above builds the lab extension once; this rebuilds it after TypeScript changes.
+extension: setup
+	cd extension && ../$(BIN)/jlpm install && ../$(BIN)/jlpm build:prod
+
 # pytest exits 5 when it collected no test: that is a failure here, not a pass.
-test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+# NOTEBOOK_LAUNCHER_BROWSER_TESTS=1 makes the browser tests fail, not skip, without chromium.
+test: setup browser
+	NOTEBOOK_LAUNCHER_BROWSER_TESTS=1 $(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 lint: setup

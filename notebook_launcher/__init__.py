@@ -14,6 +14,10 @@ from notebook_launcher.errors import (
     RankFailedError,
 )
 from notebook_launcher.launcher.api import debug_launcher, notebook_launcher
+from notebook_launcher.server import (  # noqa: F401  (Jupyter finds its extensions here)
+    _jupyter_labextension_paths,
+    _jupyter_server_extension_points,
+)
 
 try:
     __version__ = importlib.metadata.version("notebook-launcher")

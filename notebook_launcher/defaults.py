@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from notebook_launcher.hardware import PRECISIONS, precision_support
+from notebook_launcher.launcher.start_method import START_METHODS
 
 if TYPE_CHECKING:
     from notebook_launcher.hardware import HardwareReport
 
-START_METHODS = ("auto", "fork", "forkserver", "spawn")
 _KEYS = ("num_processes", "mixed_precision", "start_method")
 _DEVICE_WORDS = {"cuda": "GPU", "tpu": "TPU", "mps": "MPS", "cpu": "CPU"}
 

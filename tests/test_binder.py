@@ -60,7 +60,17 @@ def binder_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         JUPYTER_RUNTIME_DIR=str(base / "runtime"),
         PIP_DISABLE_PIP_VERSION_CHECK="1",
     )
-    _run([str(venv / "bin" / "pip"), "install", "-r", "binder/requirements.txt"], env)
+    # The same pins without PyTorch's CPU index, which this machine cannot reach (it holds
+    # that wheel on disk); pip resolves "." from the repository root, as on mybinder.
+    requirements = base / "requirements.txt"
+    requirements.write_text(
+        "".join(
+            line
+            for line in (ROOT / "binder" / "requirements.txt").read_text().splitlines(keepends=True)
+            if not line.startswith("--extra-index-url")
+        )
+    )
+    _run([str(venv / "bin" / "pip"), "install", "-r", str(requirements)], env)
     return env
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 
@@ -194,4 +195,32 @@ def test_other_bad_values(argument, value, message):
 def test_a_launch_from_inside_a_rank_is_refused(monkeypatch):
     monkeypatch.setenv("NOTEBOOK_LAUNCHER_LAUNCH_ID", "abc")
     with pytest.raises(LaunchConfigError, match=r"called inside a rank of a running launch; launches cannot be nested"):
+        notebook_launcher(never_called)
+
+
+def test_saved_defaults_fill_what_the_call_leaves_out(tmp_path, monkeypatch, leak_check):
+    from notebook_launcher.defaults import LaunchDefaults, save_defaults
+
+    monkeypatch.setenv("JUPYTER_CONFIG_DIR", str(tmp_path))
+    save_defaults(LaunchDefaults(num_processes=1, mixed_precision="bf16", start_method="forkserver"))
+    seen = notebook_launcher(lambda: (os.environ["WORLD_SIZE"], os.environ["ACCELERATE_MIXED_PRECISION"]))
+    assert seen == ("1", "bf16")
+    explicit = notebook_launcher(
+        lambda: (os.environ["WORLD_SIZE"], os.environ["ACCELERATE_MIXED_PRECISION"]),
+        num_processes=2, mixed_precision="no",
+    )
+    assert explicit == ("2", "no")
+    monkeypatch.undo()
+
+
+def test_a_saved_default_the_machine_cannot_run_is_blamed_on_the_defaults(tmp_path, monkeypatch):
+    from notebook_launcher.defaults import LaunchDefaults, save_defaults
+
+    monkeypatch.setenv("JUPYTER_CONFIG_DIR", str(tmp_path))
+    save_defaults(LaunchDefaults(mixed_precision="fp8"))
+    with pytest.raises(
+        LaunchConfigError,
+        match=r"mixed_precision='fp8' cannot run here: .* The value came from your saved launch "
+        r"defaults \(.*defaults\.json\): pass the argument explicitly, or change the defaults",
+    ):
         notebook_launcher(never_called)

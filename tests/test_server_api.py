@@ -215,10 +215,6 @@ def _what_a_rank_sees() -> tuple[str, str]:
     return os.environ["WORLD_SIZE"], os.environ["ACCELERATE_MIXED_PRECISION"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="notebook_launcher() does not read notebook_launcher.defaults.load_defaults() yet",
-)
 def test_the_launcher_uses_the_defaults_saved_through_the_server(api: Api, cpu_only: None) -> None:
     from notebook_launcher import notebook_launcher
 

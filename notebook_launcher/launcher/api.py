@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from notebook_launcher import hardware
+from notebook_launcher.defaults import load_defaults
 from notebook_launcher.launcher import options
 from notebook_launcher.launcher.events import LaunchObserver
 from notebook_launcher.launcher.printer import TextPrinter
@@ -46,6 +47,9 @@ def notebook_launcher(
     others are stopped and :class:`~notebook_launcher.errors.RankFailedError` (also an
     instance of the rank's exception type where possible) carries its traceback.
 
+    Arguments left as None take the defaults saved with the JupyterLab sidebar (read at
+    each call), else the hardware's.
+
     Args:
         num_processes: ranks to start; default one per GPU, else 2 CPU ranks.
         mixed_precision: "no", "bf16", "fp16" or "fp8", passed to each rank as
@@ -64,14 +68,28 @@ def notebook_launcher(
     options.check_scale_out_unused(
         node_rank, num_nodes, rdzv_backend, rdzv_endpoint, rdzv_conf, rdzv_id, max_restarts
     )
-    report = hardware_report()
-    accelerator = options.resolve_accelerator(hardware, report)
-    num = options.check_num_processes(num_processes, accelerator, report)
+    saved = load_defaults()  # at call time: a default saved in the sidebar applies at once
+    with options.blame_saved_defaults(
+        num_processes is None and saved.num_processes is not None,
+        mixed_precision is None and saved.mixed_precision is not None,
+        start_method is None and saved.start_method is not None,
+    ):
+        report = hardware_report()
+        accelerator = options.resolve_accelerator(hardware, report)
+        num = options.check_num_processes(
+            saved.num_processes if num_processes is None else num_processes, accelerator, report
+        )
+        precision = options.check_mixed_precision(
+            saved.mixed_precision if mixed_precision is None else mixed_precision, accelerator, report
+        )
+        start = options.choose_start(
+            saved.start_method if start_method is None else start_method, KernelState.detect()
+        )
     plan = options.LaunchPlan(
         num_processes=num,
         accelerator=accelerator,
-        mixed_precision=options.check_mixed_precision(mixed_precision, accelerator, report),
-        start=options.choose_start(start_method, KernelState.detect()),
+        mixed_precision=precision,
+        start=start,
         master_addr=master_addr,
         port=options.check_port(use_port),
         threads_per_rank=options.threads_per_rank(num, report),

@@ -6,9 +6,10 @@ and what to do instead.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from notebook_launcher import rank_env
@@ -39,6 +40,22 @@ class LaunchPlan:
     output: str
     prefix_template: str | None
     return_all: bool
+
+
+@contextlib.contextmanager
+def blame_saved_defaults(*used: bool) -> Iterator[None]:
+    """Say so when a refused value came from the saved defaults, not from the call."""
+    try:
+        yield
+    except LaunchConfigError as error:
+        if not any(used):
+            raise
+        from notebook_launcher.defaults import defaults_path
+
+        raise type(error)(
+            f"{error} The value came from your saved launch defaults ({defaults_path()}): pass "
+            "the argument explicitly, or change the defaults in the JupyterLab sidebar."
+        ) from error
 
 
 def check_not_inside_rank() -> None:

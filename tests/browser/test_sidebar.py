@@ -325,10 +325,6 @@ def test_a_running_launch_is_listed_and_stopped_from_the_sidebar(page: object, l
     _screenshot(page, "sidebar-4-stopped")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="notebook_launcher() does not read notebook_launcher.defaults.load_defaults() yet",
-)
 def test_a_launch_without_arguments_uses_the_saved_defaults(page: object, lab: Lab) -> None:
     from playwright.sync_api import expect
 
