@@ -4,46 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
-from typing import Any
 
 import pytest
-from pytest_jupyter.jupyter_server import *  # noqa: F403  (fixtures for this module only)
-from tornado.httpclient import HTTPClientError, HTTPResponse
 
 from notebook_launcher import defaults as d
 from notebook_launcher import hardware
 
-Api = Callable[..., Any]
-
-
-@pytest.fixture
-def jp_server_config() -> dict[str, Any]:
-    return {"ServerApp": {"jpserver_extensions": {"notebook_launcher.server": True}}}
-
-
-@pytest.fixture
-def api(jp_fetch: Any, jp_asyncio_loop: Any) -> Api:
-    """Call an endpoint under /notebook-launcher/ and return (status, JSON body)."""
-
-    def call(
-        *parts: str, method: str = "GET", body: object = None, **kwargs: Any
-    ) -> tuple[int, Any]:
-        if body is not None:
-            kwargs["body"] = body if isinstance(body, (str, bytes)) else json.dumps(body)
-        try:
-            response: HTTPResponse = jp_asyncio_loop.run_until_complete(
-                jp_fetch("notebook-launcher", *parts, method=method, **kwargs)
-            )
-        except HTTPClientError as e:
-            assert e.response is not None
-            response = e.response
-        try:
-            return response.code, json.loads(response.body)
-        except ValueError:  # Jupyter's own HTML error pages
-            return response.code, response.body.decode(errors="replace")
-
-    return call
+from .server_support import *  # noqa: F403  (a real server, and the api caller)
+from .server_support import Api
 
 
 @pytest.fixture

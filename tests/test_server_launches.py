@@ -2,52 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from pytest_jupyter.jupyter_server import *  # noqa: F403  (fixtures for this module only)
-from tornado.httpclient import HTTPClientError, HTTPResponse
 
 from notebook_launcher import registry
 from notebook_launcher.registry import LaunchRecord, RegisteredLaunch
 
-Api = Callable[..., Any]
-
-
-@pytest.fixture
-def jp_server_config() -> dict[str, Any]:
-    return {"ServerApp": {"jpserver_extensions": {"notebook_launcher.server": True}}}
-
-
-@pytest.fixture
-def api(jp_fetch: Any, jp_asyncio_loop: Any) -> Api:
-    """Call an endpoint under /notebook-launcher/ (or another path) and return (status, JSON)."""
-
-    def call(
-        *parts: str,
-        method: str = "GET",
-        body: object = None,
-        prefix: str = "notebook-launcher",
-        **kwargs: Any,
-    ) -> tuple[int, Any]:
-        if body is not None:
-            kwargs["body"] = body if isinstance(body, (str, bytes)) else json.dumps(body)
-        try:
-            response: HTTPResponse = jp_asyncio_loop.run_until_complete(
-                jp_fetch(prefix, *parts, method=method, **kwargs)
-            )
-        except HTTPClientError as e:
-            assert e.response is not None
-            response = e.response
-        return response.code, json.loads(response.body) if response.body else None
-
-    return call
+from .server_support import *  # noqa: F403  (a real server, and the api caller)
+from .server_support import Api
 
 
 def _record(launch_id: str, kernel_id: str | None, pid: int, **changes: Any) -> LaunchRecord:
