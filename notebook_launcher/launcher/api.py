@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from notebook_launcher import hardware
 from notebook_launcher.defaults import load_defaults
+from notebook_launcher.hardware import detect as detect_hardware  # `hardware` is an argument
 from notebook_launcher.launcher import options
 from notebook_launcher.launcher.events import LaunchObserver
 from notebook_launcher.launcher.printer import TextPrinter
@@ -74,7 +74,7 @@ def notebook_launcher(
         mixed_precision is None and saved.mixed_precision is not None,
         start_method is None and saved.start_method is not None,
     ):
-        report = hardware_report()
+        report = detect_hardware()
         accelerator = options.resolve_accelerator(hardware, report)
         num = options.check_num_processes(
             saved.num_processes if num_processes is None else num_processes, accelerator, report
@@ -110,7 +110,3 @@ def debug_launcher(
 ) -> Any:
     """Run ``function`` on ``num_processes`` CPU ranks, as accelerate's debug_launcher does."""
     return notebook_launcher(function, args, num_processes=num_processes, hardware="cpu")
-
-
-def hardware_report() -> hardware.HardwareReport:
-    return hardware.detect()
