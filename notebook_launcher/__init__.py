@@ -46,17 +46,23 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'notebook_launcher' has no attribute {name!r}")
 
 
-__all__ = sorted(
-    {
-        "AcceleratorError",
-        "LaunchConfigError",
-        "LaunchError",
-        "LaunchStoppedError",
-        "LaunchTimeoutError",
-        "RankFailedError",
-        "__version__",
-        "debug_launcher",
-        "notebook_launcher",
-    }
-    | _TRAINING_CORE
-)
+# Literal (not derived from _TRAINING_CORE) so that linters and type checkers can read it.
+__all__ = [
+    "Accelerator",
+    "AcceleratorError",
+    "AutocastKwargs",
+    "DataLoaderConfiguration",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "FullyShardedDataParallelPlugin",
+    "GradScalerKwargs",
+    "LaunchConfigError",
+    "LaunchError",
+    "LaunchStoppedError",
+    "LaunchTimeoutError",
+    "RankFailedError",
+    "__version__",
+    "debug_launcher",
+    "notebook_launcher",
+    "set_seed",
+]
