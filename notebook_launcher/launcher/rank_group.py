@@ -151,6 +151,7 @@ class Outcome:
     results: dict[int, Result] = dataclasses.field(default_factory=dict)
     failures: list[RankFailure] = dataclasses.field(default_factory=list)
     remote_exceptions: dict[int, BaseException] = dataclasses.field(default_factory=dict)
+    remote_types: dict[int, type[BaseException]] = dataclasses.field(default_factory=dict)
     finished_at: dict[int, float] = dataclasses.field(default_factory=dict)  # rank -> time.time()
     timed_out_ranks: list[int] = dataclasses.field(default_factory=list)
     stopped_from_outside: bool = False
@@ -370,7 +371,7 @@ class RankGroup:
         exitcode = rank.ended.exitcode if rank.ended is not None else None
         for message in rank.messages:
             if isinstance(message, Failure):
-                self._keep_remote_exception(rank.rank, message.exception)
+                self._keep_remote_exception(rank.rank, message.exception, message.exception_class)
                 return RankFailure(
                     rank.rank, rank.pid, exitcode, message.exception_type, message.message,
                     message.traceback, time=message.time,
@@ -384,11 +385,13 @@ class RankGroup:
             rank.rank, rank.pid, exitcode, output_tail=crash_excerpt(list(rank.tail)), time=time.time()
         )
 
-    def _keep_remote_exception(self, rank: int, pickled: bytes | None) -> None:
-        if pickled is None:
-            return
-        with contextlib.suppress(Exception):  # its class may not exist in the kernel
-            self.outcome.remote_exceptions[rank] = cloudpickle.loads(pickled)
+    def _keep_remote_exception(
+        self, rank: int, pickled: bytes | None, pickled_class: bytes | None
+    ) -> None:
+        for data, where in ((pickled, self.outcome.remote_exceptions), (pickled_class, self.outcome.remote_types)):
+            if data is not None:
+                with contextlib.suppress(Exception):  # its class may not exist in the kernel
+                    where[rank] = cloudpickle.loads(data)
 
     def _check_limits(self) -> None:
         now = time.monotonic()
