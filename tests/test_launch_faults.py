@@ -65,6 +65,19 @@ def start_a_daemon():
     return [own_session.pid, int(forked.stdout)]
 
 
+def daemonize_without_exec():
+    # The classic Python daemon: fork, setsid, fork again, never exec a new program.
+    reader, writer = os.pipe()
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.write(writer, str(os.getpid()).encode())
+            time.sleep(300)
+        os._exit(0)
+    os.close(writer)
+    return int(os.read(reader, 32))
+
+
 def gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # ended, awaiting init
@@ -74,6 +87,7 @@ def gone(pid: int) -> bool:
 
 def test_a_daemon_a_rank_started_is_ended_with_the_launch(leak_check):
     pids = notebook_launcher(start_a_daemon, num_processes=1)
+    pids.append(notebook_launcher(daemonize_without_exec, num_processes=1, start_method="fork"))
     assert all(gone(pid) for pid in pids), [psutil.Process(p) for p in pids if not gone(p)]
 
 

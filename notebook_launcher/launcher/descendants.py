@@ -50,3 +50,35 @@ def end_marked_processes(launch_id: str, proc: str = _PROC) -> list[int]:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
     return pids
+
+
+def descendants_of(pid: int, proc: str = _PROC) -> list[int]:
+    """Every process below ``pid`` in the process tree (children first), from /proc."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir(proc)
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(os.path.join(proc, entry, "stat"), "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    found: list[int] = []
+    queue = [pid]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def end_descendants(pid: int | None = None) -> None:
+    """SIGKILL every process below ``pid`` (this process by default)."""
+    for child in descendants_of(os.getpid() if pid is None else pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(child, signal.SIGKILL)

@@ -23,6 +23,7 @@ import cloudpickle
 
 from notebook_launcher.errors import RankInputError
 from notebook_launcher.launcher.channel import Failure, Hello, Metric, RankMessage, Result
+from notebook_launcher.launcher.descendants import end_descendants
 from notebook_launcher.tracking import add_metric_sink
 
 if TYPE_CHECKING:
@@ -178,9 +179,13 @@ def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         import ctypes
 
-        pr_set_pdeathsig = 1
+        pr_set_pdeathsig, pr_set_child_subreaper = 1, 36
         with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+            # What a rank's daemon leaves orphaned (double fork) is re-parented to the rank,
+            # not to init, so the rank still finds it when it ends (see _exit).
+            libc.prctl(pr_set_child_subreaper, 1)
     if os.getppid() == 1:  # the parent died before the line above took effect
         os._exit(1)
 
@@ -279,4 +284,8 @@ def _exit(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    # Nothing a rank started outlives it, even a daemon that left its process group
+    # without running a new program (the launch's id in the environment finds those).
+    with contextlib.suppress(Exception):
+        end_descendants()
     os._exit(code)

@@ -257,8 +257,10 @@ class RankGroup:
                 ended = rank.control.wait(_REAP_WAIT_S)
                 if ended is not None:
                     self._on_end(rank, ended)
-        for rank in self.ranks:  # ranks without a sentinel (or whose sentinel closed early)
-            if rank.alive and rank.control is not None and rank.polled:
+        # Every pass also polls: ranks without a sentinel, a sentinel that closed a moment
+        # before the exit could be reaped, and one held open by something the rank forked.
+        for rank in self.ranks:
+            if rank.alive and rank.control is not None:
                 ended = rank.control.poll()
                 if ended is not None:
                     self._on_end(rank, ended)
