@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import cloudpickle
 
-from notebook_launcher.errors import LaunchCleanupWarning, RankFailure
+from notebook_launcher.errors import LaunchCleanupWarning, LaunchError, RankFailure
 from notebook_launcher.launcher import descendants
 from notebook_launcher.launcher.backends.base import (
     Backend,
@@ -270,7 +270,10 @@ class RankGroup:
         """Send a command to one rank (a group started ``with_commands``)."""
         connection = self.ranks[rank].commands
         if connection is None:
-            raise RuntimeError("this rank group was started without command connections")
+            raise LaunchError(
+                f"cannot send a command to rank {rank}: its group was started without command "
+                "connections; start it with with_commands=True."
+            )
         connection.send(message)
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
