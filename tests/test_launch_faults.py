@@ -16,7 +16,7 @@ from notebook_launcher import LaunchError, RankFailedError, notebook_launcher, r
 from notebook_launcher.errors import RankInputError
 from notebook_launcher.launcher import backends, start_method
 from notebook_launcher.launcher.backends.local import LocalBackend
-from notebook_launcher.launcher.events import LaunchFinished, LaunchStarted, RankStarted
+from notebook_launcher.launcher.events import LaunchFinished, LaunchStarted, OutputLine, RankStarted
 
 from .conftest import run_script
 
@@ -29,17 +29,27 @@ def ignore_sigterm_and_wait():
 
 def test_a_second_interrupt_while_stopping_leaves_nothing_behind(leak_check):
     main = threading.get_ident()
+    ready = threading.Event()
+    readies: list[int] = []
+
+    class WhenReady:
+        def on_event(self, event):  # type: ignore[no-untyped-def]
+            if isinstance(event, OutputLine) and event.text == "ready":
+                readies.append(event.rank)
+                if len(readies) == 2:
+                    ready.set()
 
     def interrupt_twice():
-        time.sleep(3.0)
+        if not ready.wait(120):
+            return
         signal.pthread_kill(main, signal.SIGINT)  # the stop button
-        time.sleep(1.0)  # inside the 3 s grace the ranks get after SIGTERM
+        time.sleep(1.0)  # inside the 3 s grace the ranks get after SIGTERM (they ignore it)
         signal.pthread_kill(main, signal.SIGINT)  # pressed again
 
     pusher = threading.Thread(target=interrupt_twice)
     pusher.start()
     with pytest.raises(KeyboardInterrupt):
-        notebook_launcher(ignore_sigterm_and_wait, num_processes=2, timeout=100)
+        notebook_launcher(ignore_sigterm_and_wait, num_processes=2, timeout=100, observers=[WhenReady()])
     pusher.join()
     assert registry.list_launches() == []  # and leak_check: no port, thread, fd or process
 
