@@ -136,7 +136,7 @@ def test_auto_takes_the_forkserver_when_a_library_loaded_the_cuda_driver() -> No
     assert kernel.cuda_driver_loaded and not kernel.cuda_initialized
     plan = resolve(kernel=kernel)
     assert plan.start.method == "forkserver"
-    assert plan.start.fallback_reason.startswith("a library loaded the CUDA driver in this kernel")
+    assert plan.start.fallback_reason.startswith("the CUDA driver was initialised in this kernel (libcuda is loaded: ")
     clean = KernelState.detect(platform="linux", available=["fork", "spawn", "forkserver"], read_maps=lambda: "")
     assert resolve(kernel=clean).start.method == "fork"
 

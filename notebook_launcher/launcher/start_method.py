@@ -90,8 +90,9 @@ def fork_blocker(state: KernelState) -> str | None:
         return "CUDA was initialised in this kernel, and forked ranks cannot use it"
     if state.cuda_driver_loaded:
         return (
-            "a library loaded the CUDA driver in this kernel (libcuda: cupy, numba, jax, "
-            "bitsandbytes or torch itself), and forked ranks could not use CUDA"
+            "the CUDA driver was initialised in this kernel (libcuda is loaded: "
+            "torch.cuda.is_available(), cupy, numba, jax or bitsandbytes do that), and forked "
+            "ranks could not use CUDA"
         )
     if state.process_group_initialized:
         return (
