@@ -101,6 +101,27 @@ def test_a_daemon_a_rank_started_is_ended_with_the_launch(leak_check):
     assert all(gone(pid) for pid in pids), [psutil.Process(p) for p in pids if not gone(p)]
 
 
+def start_a_daemon_then_hang():
+    import subprocess
+
+    daemon = subprocess.Popen(["sleep", "302"], start_new_session=True)
+    print(f"daemon {daemon.pid}", flush=True)
+    time.sleep(120)  # stopped by the timeout: the rank gets no chance to clean up
+
+
+def test_a_daemon_of_a_rank_that_was_stopped_is_ended_too(leak_check):
+    pids: list[int] = []
+
+    class DaemonPids:
+        def on_event(self, event):  # type: ignore[no-untyped-def]
+            if isinstance(event, OutputLine) and event.text.startswith("daemon "):
+                pids.append(int(event.text.split()[1]))
+
+    with pytest.raises(LaunchError, match="ran past timeout=3s"):
+        notebook_launcher(start_a_daemon_then_hang, num_processes=1, timeout=3, observers=[DaemonPids()])
+    assert len(pids) == 1 and gone(pids[0])
+
+
 class LockedError(ValueError):
     def __init__(self, message: str) -> None:
         super().__init__(message)

@@ -452,7 +452,10 @@ class RankGroup:
         for rank in self.ranks:  # what the ranks started, left in their process groups
             if rank.control is not None:
                 rank.control.signal(signal.SIGKILL)
-        descendants.end_marked_processes(self.launch_id)  # and what left them
+        # And what left those groups. A rank that returned ended its own descendants as it
+        # exited (it is their subreaper); one that was stopped or crashed could not.
+        if any(r.control is not None and r.rank not in self.outcome.results for r in self.ranks):
+            descendants.end_marked_processes(self.launch_id)
         for rank in self.ranks:
             if rank.ended is not None and not rank.finished_sent:
                 with contextlib.suppress(Exception):  # an observer's bug must not stop cleanup
