@@ -159,3 +159,56 @@ def test_a_group_is_driven_command_by_command_and_watched_between() -> None:
     assert [e.state for e in events if isinstance(e, RankFinished)] == ["done", "done"]
     assert group.close() == []
     assert open_fds() == before
+
+
+class ReapedBeforeItsSentinelIsSeen(RankControl):
+    """A local rank whose end the group learns by polling before its sentinel fires."""
+
+    def __init__(self, inner: RankControl) -> None:
+        self.inner, self.pid = inner, inner.pid
+
+    @property
+    def sentinel(self) -> int | None:
+        return self.inner.sentinel
+
+    def poll(self) -> Ended | None:
+        return self.inner.wait(60.0)
+
+    def signal(self, signum: int) -> None:
+        self.inner.signal(signum)
+
+    def wait(self, timeout: float) -> Ended | None:
+        return self.inner.wait(timeout)
+
+    def release(self) -> None:
+        self.inner.release()
+
+
+def test_a_finished_group_stops_multiplexing_at_once(leak_check):
+    """Once every rank ended and its pipes closed, nothing stays registered: an exit
+    sentinel left behind kept select() returning at once, spinning for a second."""
+    from notebook_launcher.launcher.backends.local import LocalBackend
+
+    class Local(LocalBackend):
+        def start(self, *args):  # type: ignore[no-untyped-def]
+            return [ReapedBeforeItsSentinelIsSeen(c) for c in super().start(*args)]
+
+    group = RankGroup(PLAN, Local(), rank_specs(PLAN, uuid.uuid4().hex, 1), lambda event: None,
+                      launch_id=uuid.uuid4().hex)
+    passes = 0
+    watch = group.watch
+
+    def counted(timeout: float = 0.0) -> None:
+        nonlocal passes
+        passes += 1
+        watch(timeout)
+
+    group.watch = counted  # type: ignore[method-assign]
+    try:
+        group.start((print, ("hello",), {}))
+        outcome = group.run()
+        assert outcome.failures == [] and sorted(outcome.results) == [0, 1]
+        assert group._selector is not None and not group._selector.get_map()
+        assert passes < 200, f"{passes} passes of the multiplexer for two ranks that print one line"
+    finally:
+        group.close()

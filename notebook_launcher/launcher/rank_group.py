@@ -81,7 +81,6 @@ class Rank:
         self.ended_at: float | None = None  # time.time() of its end
         self.finished_sent = False
         self.stop_sent = False
-        self.polled = False  # its end is found by polling its control, not by a sentinel
         self.channel: Connection
         self.commands: Connection | None = None
         self.ends: RankEnds
@@ -211,8 +210,6 @@ class RankGroup:
             self._selector.register(rank.channel.fileno(), selectors.EVENT_READ, (rank, "channel"))
             if control.sentinel is not None:
                 self._selector.register(control.sentinel, selectors.EVENT_READ, (rank, "exit"))
-            else:
-                rank.polled = True
         for rank in self.ranks:
             self._emit(RankStarted(rank.rank, rank.pid, self.plan.device(rank.spec.local_rank)))
 
@@ -250,9 +247,10 @@ class RankGroup:
             elif kind == "channel":
                 if not rank.channel.closed:
                     self._read_channel(rank)
-            elif rank.alive and rank.control is not None:
+            elif rank.control is not None:
                 self._unregister(rank.control.sentinel)
-                rank.polled = True
+                if not rank.alive:
+                    continue
                 # The sentinel closes as the process exits, a moment before it can be reaped.
                 ended = rank.control.wait(_REAP_WAIT_S)
                 if ended is not None:
@@ -353,6 +351,8 @@ class RankGroup:
 
     def _on_end(self, rank: Rank, ended: Ended) -> None:
         rank.mark_ended(ended)
+        if rank.control is not None:  # found by polling: its sentinel must not keep the loop busy
+            self._unregister(rank.control.sentinel)
         # The rank wrote its last message before exiting: take it before judging the exit.
         while not rank.channel.closed and rank.channel.poll():
             self._read_channel(rank)
