@@ -81,27 +81,28 @@ class Rank:
         self.ended_at: float | None = None  # time.time() of its end
         self.finished_sent = False
         self.stop_sent = False
-        self.channel: Connection
         self.commands: Connection | None = None
-        self.ends: RankEnds
-        opened: list[int] = []
+        made: list[Connection] = []  # closed again if making the next one fails
+        readers: list[int] = []  # read with os.read, closed by close_stream
         try:
-            for name in ("stdout", "stderr"):
+            for _stream in ("stdout", "stderr"):
                 read_end, write_end = os.pipe()
-                opened += [read_end, write_end]
+                readers.append(read_end)
+                made.append(Connection(write_end, readable=False))
                 os.set_blocking(read_end, False)
-                self.streams[read_end] = name
-                setattr(self, f"_{name}_w", Connection(write_end, readable=False))
             self.channel, channel_w = multiprocessing.Pipe(duplex=False)
+            made += [self.channel, channel_w]
             commands_r = None
             if with_commands:
                 commands_r, self.commands = multiprocessing.Pipe(duplex=False)
         except BaseException:
-            for fd in opened:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            for connection in made:
+                connection.close()
+            for fd in readers:
+                os.close(fd)
             raise
-        self.ends = RankEnds(self._stdout_w, self._stderr_w, channel_w, commands_r)  # type: ignore[attr-defined]
+        self.streams = dict(zip(readers, ("stdout", "stderr")))
+        self.ends = RankEnds(made[0], made[1], channel_w, commands_r)
 
     @property
     def pid(self) -> int | None:
