@@ -40,9 +40,12 @@ test: setup browser
 	NOTEBOOK_LAUNCHER_BROWSER_TESTS=1 $(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
+# Python (ruff, mypy) and the extension's TypeScript (eslint, prettier), as JupyterLab
+# extensions lint it; jlpm comes with the test dependencies (jupyterlab).
 lint: setup
 	$(BIN)/ruff check notebook_launcher tests benchmarks examples
 	$(BIN)/mypy
+	cd extension && PATH="$(CURDIR)/$(BIN):$$PATH" jlpm install && PATH="$(CURDIR)/$(BIN):$$PATH" jlpm lint:check
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -245,3 +245,86 @@ def test_the_summary_line_says_what_a_launch_will_do(
     chosen: d.LaunchDefaults, report: HardwareReport, line: str
 ) -> None:
     assert d.describe_launch(chosen, report) == line
+
+
+def _warning_for(path: Path) -> str:
+    with pytest.warns(d.DefaultsFileWarning) as record:
+        assert d.load_defaults() == d.LaunchDefaults()
+    message = str(record[0].message)
+    assert message.startswith(f"Ignoring the launch defaults file {path}: ")
+    assert message.endswith("or fix or delete that file.")
+    return message
+
+
+def test_a_file_that_is_not_utf8_is_ignored_with_a_warning() -> None:
+    path = d.defaults_path()
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b'{"mixed_precision": "bf16\xff"}')
+    assert "it is not UTF-8 text (byte 25 is b'\\xff')" in _warning_for(path)
+
+
+def test_a_fifo_in_place_of_the_file_never_blocks() -> None:
+    path = d.defaults_path()
+    path.parent.mkdir(parents=True)
+    os.mkfifo(path)  # nobody ever writes to it: a blocking open would wait forever
+    assert "it is not a regular file but a FIFO (named pipe)" in _warning_for(path)
+
+
+def test_a_device_in_place_of_the_file_is_not_read() -> None:
+    path = d.defaults_path()
+    path.parent.mkdir(parents=True)
+    path.symlink_to("/dev/zero")  # endless: reading it whole would exhaust memory
+    assert "it is not a regular file but a character device" in _warning_for(path)
+
+
+def test_a_huge_file_is_not_read() -> None:
+    path = d.defaults_path()
+    path.parent.mkdir(parents=True)
+    path.write_text(" " * (d.MAX_FILE_BYTES + 1) + "{}")
+    assert f"more than a defaults file can be ({d.MAX_FILE_BYTES})" in _warning_for(path)
+
+
+def test_a_directory_in_place_of_the_file_is_ignored() -> None:
+    path = d.defaults_path()
+    path.mkdir(parents=True)
+    message = _warning_for(path)
+    assert "it cannot be read" in message or "it is not a regular file but a directory" in message
+
+
+def test_saved_rank_counts_follow_the_launchers_cpu_limit() -> None:
+    with pytest.raises(d.DefaultsError) as info:
+        d.check_against_hardware(d.LaunchDefaults(num_processes=1_000_000_000), CPU)
+    assert str(info.value).startswith(
+        "num_processes=1000000000 is more CPU ranks than this machine can run: at most 16 ("
+    )
+    assert str(info.value).endswith("Use num_processes<=16.")
+    d.check_against_hardware(d.LaunchDefaults(num_processes=16), CPU)
+
+
+def test_configure_in_the_kernel_overrides_the_file_field_by_field() -> None:
+    d.save_defaults(d.LaunchDefaults(num_processes=2, mixed_precision="bf16"))
+    try:
+        d.set_kernel_defaults(d.LaunchDefaults(num_processes=1))
+        assert d.kernel_defaults() == d.LaunchDefaults(num_processes=1)
+        effective = d.effective_defaults()
+        assert effective.values == d.LaunchDefaults(num_processes=1, mixed_precision="bf16")
+        assert effective.source_of("num_processes") == d.KERNEL
+        assert effective.source_of("mixed_precision") == d.FILE
+        assert effective.source_of("start_method") is None and effective.blame("start_method") is None
+        assert "configure() in this kernel" in (effective.blame("num_processes") or "")
+        assert str(d.defaults_path()) in (effective.blame("mixed_precision") or "")
+        assert d.load_defaults() == d.LaunchDefaults(num_processes=2, mixed_precision="bf16")  # file untouched
+    finally:
+        d.set_kernel_defaults(None)
+    assert d.effective_defaults().sources == {"num_processes": d.FILE, "mixed_precision": d.FILE}
+
+
+def test_kernel_defaults_must_be_launch_defaults() -> None:
+    with pytest.raises(d.DefaultsError, match=r"set_kernel_defaults\(\) takes a LaunchDefaults or None; got dict"):
+        d.set_kernel_defaults({"num_processes": 2})  # type: ignore[arg-type]
+
+
+def test_defaults_errors_are_launch_errors() -> None:
+    from notebook_launcher.errors import LaunchConfigError, LaunchError
+
+    assert issubclass(d.DefaultsError, LaunchConfigError) and issubclass(d.DefaultsError, LaunchError)

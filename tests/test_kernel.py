@@ -133,3 +133,32 @@ def test_ranks_do_not_outlive_a_dead_kernel(method):
         assert alive == [], f"processes survived their kernel: {alive}"
     finally:
         doomed.shutdown()
+
+
+def test_an_exception_class_defined_in_a_cell_is_caught_under_fork(kernel):
+    cell = kernel.run(
+        """
+        class DataProblem(Exception):
+            pass
+        def bad_shard():
+            raise DataProblem("shard 3 is empty")
+        for method in ("fork", "forkserver"):
+            try:
+                notebook_launcher(bad_shard, num_processes=1, start_method=method)
+            except DataProblem as error:
+                print(method, "caught", isinstance(error, DataProblem))
+        """
+    )
+    assert cell.error is None, cell.error
+    assert cell.stdout.splitlines() == ["fork caught True", "forkserver caught True"]
+
+
+def test_input_in_a_rank_fails_at_once_even_where_the_frontend_answers_input(kernel):
+    assert kernel.client.allow_stdin  # this frontend would show a prompt for the kernel's input()
+    cell = kernel.run(
+        """
+        notebook_launcher(lambda: input("learning rate? "), num_processes=1, timeout=60)
+        """
+    )
+    assert cell.error["ename"] == "RankFailedError[RankInputError]"
+    assert "input() (prompt 'learning rate? ') cannot be used in a rank" in cell.error["evalue"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -186,3 +187,67 @@ def test_the_launcher_uses_the_defaults_saved_through_the_server(api: Api, cpu_o
     chosen = {"num_processes": 1, "mixed_precision": "bf16", "start_method": "fork"}
     assert api("defaults", method="POST", body=chosen)[0] == 200
     assert notebook_launcher(_what_a_rank_sees) == ("1", "bf16")
+
+
+def test_a_deeply_nested_body_is_refused_with_400(api: Api, cpu_only: None) -> None:
+    status, body = api("defaults", method="POST", body="[" * 100_000 + "]" * 100_000)
+    assert (status, body) == (
+        400,
+        {
+            "message": "The request body is JSON nested too deeply to be launch defaults; send "
+            'an object such as {"num_processes": 2}.'
+        },
+    )
+
+
+@pytest.mark.parametrize(
+    ("make", "problem"),
+    [
+        (lambda path: path.write_bytes(b'{"num_processes": 2\xff}'), "it is not UTF-8 text"),
+        (lambda path: os.mkfifo(path), "it is not a regular file but a FIFO (named pipe)"),
+        (lambda path: path.symlink_to("/dev/zero"), "it is not a regular file but a character device"),
+    ],
+)
+def test_an_unreadable_defaults_file_is_reported_with_200(
+    api: Api, cpu_only: None, make: object, problem: str
+) -> None:
+    path = d.defaults_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    make(path)  # type: ignore[operator]
+    status, body = api("defaults")
+    assert status == 200
+    assert body["defaults"] == d.LaunchDefaults().to_dict()
+    assert body["problem"].startswith(f"Ignoring the launch defaults file {path}: {problem}")
+
+
+def test_the_server_refuses_the_rank_counts_the_launcher_refuses(api: Api, cpu_only: None) -> None:
+    from notebook_launcher import LaunchConfigError, notebook_launcher, rules
+
+    limit = rules.max_num_processes(hardware.detect())
+    status, body = api("defaults", method="POST", body={"num_processes": 1_000_000_000})
+    assert status == 400
+    assert body["message"].startswith(
+        f"num_processes=1000000000 is more CPU ranks than this machine can run: at most {limit} ("
+    )
+    with pytest.raises(LaunchConfigError) as caught:
+        notebook_launcher(print, num_processes=1_000_000_000)
+    assert str(caught.value) == body["message"]
+    assert api("defaults", method="POST", body={"num_processes": limit})[0] == 200
+
+
+def test_the_server_accepts_the_spellings_the_launcher_accepts(api: Api, cpu_only: None) -> None:
+    status, body = api("defaults", method="POST", body={"mixed_precision": "BF16"})
+    assert status == 200 and body["defaults"]["mixed_precision"] == "bf16"
+
+
+def test_the_server_refuses_fork_on_macos_as_the_launcher_does(
+    api: Api, cpu_only: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "platform", "darwin")
+    status, body = api("defaults", method="POST", body={"start_method": "fork"})
+    monkeypatch.undo()
+    assert status == 400
+    assert body["message"] == (
+        "start_method='fork' cannot run here: fork is not safe on this platform (darwin): a "
+        "forked process crashes once system frameworks are loaded."
+    )

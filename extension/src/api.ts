@@ -1,10 +1,14 @@
 /**
  * Typed calls to the server extension under `/notebook-launcher/`.
  *
- * The reply shapes mirror the TypedDicts in notebook_launcher/server/handlers.py.
+ * The reply shapes mirror the TypedDicts in notebook_launcher/server/handlers.py;
+ * tests/test_api_types.py fails when the two disagree.
  */
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
+
+/** Each option mapped to null when the machine can run it, else the reason it cannot. */
+export type Support = Record<string, string | null>;
 
 export interface IGpuInfo {
   index: number;
@@ -25,13 +29,19 @@ export interface IHardwareReport {
   torch_xla_version: string | null;
   accelerator: string;
   default_num_processes: number;
+  max_num_processes: number;
+  precisions: Support;
 }
 
-/** Each option mapped to null when the machine can run it, else the reason it cannot. */
-export type Support = Record<string, string | null>;
+export interface INumProcessesChoice {
+  min: number;
+  max: number;
+  default: number;
+  note: string;
+}
 
 export interface IChoices {
-  num_processes: { min: number; max: number | null; default: number };
+  num_processes: INumProcessesChoice;
   mixed_precision: Support;
   start_method: Support;
 }

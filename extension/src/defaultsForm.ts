@@ -52,7 +52,10 @@ export class DefaultsWidget extends Widget {
       h('div', { className: 'jp-NotebookLauncher-actions' }, [this._save]),
       this._status,
       this._problem,
-      h('p', { className: 'jp-NotebookLauncher-label', text: 'notebook_launcher() will run:' }),
+      h('p', {
+        className: 'jp-NotebookLauncher-label',
+        text: 'notebook_launcher() will run:'
+      }),
       this._description,
       this._path
     );
@@ -62,9 +65,9 @@ export class DefaultsWidget extends Widget {
   }
 
   /** Fill the options from what the machine supports. */
-  setChoices(choices: IChoices, cpuCount: number): void {
+  setChoices(choices: IChoices): void {
     const limits = choices.num_processes;
-    const max = limits.max ?? Math.max(cpuCount, limits.default);
+    const max = limits.max;
     this._processes.replaceChildren(
       h('option', {
         text: `auto (${limits.default})`,
@@ -72,14 +75,23 @@ export class DefaultsWidget extends Widget {
       })
     );
     for (let n = limits.min; n <= max; n++) {
-      this._processes.append(h('option', { text: String(n), attrs: { value: String(n) } }));
+      this._processes.append(
+        h('option', { text: String(n), attrs: { value: String(n) } })
+      );
     }
-    this._processesNote.textContent =
-      limits.max === null
-        ? `CPU ranks share the ${cpuCount} cores.`
-        : `At most ${limits.max}: each rank needs its own device.`;
-    this._fillSupport(this._precision, this._precisionNotes, choices.mixed_precision, PRECISION_LABELS);
-    this._fillSupport(this._method, this._methodNotes, choices.start_method, START_METHOD_LABELS);
+    this._processesNote.textContent = limits.note;
+    this._fillSupport(
+      this._precision,
+      this._precisionNotes,
+      choices.mixed_precision,
+      PRECISION_LABELS
+    );
+    this._fillSupport(
+      this._method,
+      this._methodNotes,
+      choices.start_method,
+      START_METHOD_LABELS
+    );
     this._save.disabled = false;
     if (this._saved) {
       this._select(this._saved);
@@ -99,7 +111,11 @@ export class DefaultsWidget extends Widget {
     setStatus(this._status, message, 'error');
   }
 
-  private _field(label: string, control: HTMLSelectElement, note: HTMLElement): HTMLElement {
+  private _field(
+    label: string,
+    control: HTMLSelectElement,
+    note: HTMLElement
+  ): HTMLElement {
     control.setAttribute('aria-label', label);
     return h('label', { className: 'jp-NotebookLauncher-field' }, [
       h('span', { className: 'jp-NotebookLauncher-label', text: label }),
@@ -114,13 +130,18 @@ export class DefaultsWidget extends Widget {
     support: Support,
     labels: Record<string, string>
   ): void {
-    select.replaceChildren(h('option', { text: 'auto', attrs: { value: AUTO } }));
+    select.replaceChildren(
+      h('option', { text: 'auto', attrs: { value: AUTO } })
+    );
     notes.replaceChildren();
     for (const [value, reason] of Object.entries(support)) {
       if (value === 'auto') {
         continue; // the first option already stands for it
       }
-      const option = h('option', { text: labels[value] ?? value, attrs: { value } });
+      const option = h('option', {
+        text: labels[value] ?? value,
+        attrs: { value }
+      });
       if (reason !== null) {
         option.disabled = true;
         option.title = reason;
@@ -131,10 +152,15 @@ export class DefaultsWidget extends Widget {
   }
 
   private _select(defaults: ILaunchDefaults): void {
-    const processes = defaults.num_processes === null ? AUTO : String(defaults.num_processes);
-    if (![...this._processes.options].some(option => option.value === processes)) {
+    const processes =
+      defaults.num_processes === null ? AUTO : String(defaults.num_processes);
+    if (
+      ![...this._processes.options].some(option => option.value === processes)
+    ) {
       // Saved by hand or on another machine: still show it rather than a blank choice.
-      this._processes.append(h('option', { text: processes, attrs: { value: processes } }));
+      this._processes.append(
+        h('option', { text: processes, attrs: { value: processes } })
+      );
     }
     this._processes.value = processes;
     this._precision.value = defaults.mixed_precision ?? AUTO;
@@ -146,8 +172,10 @@ export class DefaultsWidget extends Widget {
 
   private _chosen(): ILaunchDefaults {
     return {
-      num_processes: this._processes.value === AUTO ? null : Number(this._processes.value),
-      mixed_precision: this._precision.value === AUTO ? null : this._precision.value,
+      num_processes:
+        this._processes.value === AUTO ? null : Number(this._processes.value),
+      mixed_precision:
+        this._precision.value === AUTO ? null : this._precision.value,
       start_method: this._method.value === AUTO ? null : this._method.value
     };
   }
@@ -180,6 +208,8 @@ export class DefaultsWidget extends Widget {
   });
   private _status = h('p', { className: 'jp-NotebookLauncher-status' });
   private _problem = h('p', { className: 'jp-NotebookLauncher-status' });
-  private _description = h('p', { className: 'jp-NotebookLauncher-description' });
+  private _description = h('p', {
+    className: 'jp-NotebookLauncher-description'
+  });
   private _path = h('p', { className: 'jp-NotebookLauncher-note' });
 }

@@ -28,7 +28,10 @@ export class HardwareWidget extends Widget {
   showReport(report: IHardwareReport): void {
     setStatus(this._status, '');
     const rows: [string, string][] = [
-      ['Ranks run on', ACCELERATOR_WORDS[report.accelerator] ?? report.accelerator],
+      [
+        'Ranks run on',
+        ACCELERATOR_WORDS[report.accelerator] ?? report.accelerator
+      ],
       ['CPU cores', String(report.cpu_count)]
     ];
     report.gpus.forEach(gpu => {

@@ -32,7 +32,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
 
     app.commands.addCommand(CommandIDs.open, {
       label: 'Show the Distributed sidebar',
-      caption: 'Hardware, launch defaults and running launches of notebook_launcher',
+      caption:
+        'Hardware, launch defaults and running launches of notebook_launcher',
       execute: () => {
         labShell.activateById(sidebar.id);
       }

@@ -26,7 +26,10 @@ export class LaunchesWidget extends Widget {
     super();
     this.addClass('jp-NotebookLauncher-launches');
     this.node.append(
-      h('h3', { className: 'jp-NotebookLauncher-heading', text: 'Running launches' }),
+      h('h3', {
+        className: 'jp-NotebookLauncher-heading',
+        text: 'Running launches'
+      }),
       this._list,
       this._listStatus,
       this._stopStatus
@@ -45,21 +48,35 @@ export class LaunchesWidget extends Widget {
     }
     if (reply.launches.length === 0) {
       this._list.replaceChildren(
-        h('li', { className: 'jp-NotebookLauncher-empty', text: 'No launch is running.' })
+        h('li', {
+          className: 'jp-NotebookLauncher-empty',
+          text: 'No launch is running.'
+        })
       );
       return;
     }
-    this._list.replaceChildren(...reply.launches.map(launch => this._row(launch, reply.now)));
+    this._list.replaceChildren(
+      ...reply.launches.map(launch => this._row(launch, reply.now))
+    );
   }
 
   showError(message: string): void {
-    setStatus(this._listStatus, `Could not list the launches: ${message}`, 'error');
+    setStatus(
+      this._listStatus,
+      `Could not list the launches: ${message}`,
+      'error'
+    );
   }
 
   private _row(launch: ILaunchInfo, now: number): HTMLElement {
-    const where = launch.notebook ?? (launch.kernel_id ? `kernel ${launch.kernel_id.slice(0, 8)}` : `process ${launch.kernel_pid}`);
+    const where =
+      launch.notebook ??
+      (launch.kernel_id
+        ? `kernel ${launch.kernel_id.slice(0, 8)}`
+        : `process ${launch.kernel_pid}`);
     const started = new Date(launch.started_at * 1000).toLocaleTimeString();
-    const stopping = launch.state === 'stopping' || this._stopRequested.has(launch.launch_id);
+    const stopping =
+      launch.state === 'stopping' || this._stopRequested.has(launch.launch_id);
     const stop = h('button', {
       className: 'jp-mod-styled jp-mod-warn jp-NotebookLauncher-stop',
       text: stopping ? 'Stopping…' : 'Stop',
@@ -77,15 +94,27 @@ export class LaunchesWidget extends Widget {
           this._stopRequested.delete(launch.launch_id);
           stop.disabled = false;
           stop.textContent = 'Stop';
-          setStatus(this._stopStatus, `Could not stop the launch: ${errorMessage(error)}`, 'error');
+          setStatus(
+            this._stopStatus,
+            `Could not stop the launch: ${errorMessage(error)}`,
+            'error'
+          );
         });
     });
-    const device = launch.accelerator === 'cuda' ? 'GPU' : launch.accelerator.toUpperCase();
+    const device =
+      launch.accelerator === 'cuda' ? 'GPU' : launch.accelerator.toUpperCase();
     return h(
       'li',
-      { className: 'jp-NotebookLauncher-launch', attrs: { 'data-launch-id': launch.launch_id } },
+      {
+        className: 'jp-NotebookLauncher-launch',
+        attrs: { 'data-launch-id': launch.launch_id }
+      },
       [
-        h('div', { className: 'jp-NotebookLauncher-launch-where', text: where, attrs: { title: where } }),
+        h('div', {
+          className: 'jp-NotebookLauncher-launch-where',
+          text: where,
+          attrs: { title: where }
+        }),
         h('div', {
           className: 'jp-NotebookLauncher-launch-what',
           text: `${launch.num_processes} x ${device} rank${launch.num_processes === 1 ? '' : 's'}, ${launch.mixed_precision}, ${launch.start_method}`

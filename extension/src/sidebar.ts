@@ -29,7 +29,11 @@ export class DistributedSidebar extends Panel {
     };
     this._poll = new Poll({
       factory: () => this._refreshLaunches(),
-      frequency: { interval: LAUNCHES_INTERVAL_MS, backoff: true, max: 30 * 1000 },
+      frequency: {
+        interval: LAUNCHES_INTERVAL_MS,
+        backoff: true,
+        max: 30 * 1000
+      },
       name: 'notebook-launcher:launches',
       standby: () => this.isHidden || 'when-hidden'
     });
@@ -48,16 +52,20 @@ export class DistributedSidebar extends Panel {
     try {
       const { hardware, choices } = await getHardware();
       this._hardware.showReport(hardware);
-      this._defaults.setChoices(choices, hardware.cpu_count);
+      this._defaults.setChoices(choices);
     } catch (error) {
       this._hardware.showError(errorMessage(error));
-      this._defaults.showError(`Cannot offer choices without the hardware: ${errorMessage(error)}`);
+      this._defaults.showError(
+        `Cannot offer choices without the hardware: ${errorMessage(error)}`
+      );
       return;
     }
     try {
       this._defaults.showSaved(await getDefaults());
     } catch (error) {
-      this._defaults.showError(`Could not read the saved defaults: ${errorMessage(error)}`);
+      this._defaults.showError(
+        `Could not read the saved defaults: ${errorMessage(error)}`
+      );
     }
   }
 

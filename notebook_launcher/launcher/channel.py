@@ -38,6 +38,7 @@ class Failure:
     traceback: str
     time: float
     exception: bytes | None  # the exception itself, cloudpickled, when that worked
+    exception_class: bytes | None = None  # its type alone, for when the instance cannot travel
 
 
 @dataclasses.dataclass(frozen=True)

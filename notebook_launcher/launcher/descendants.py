@@ -50,3 +50,68 @@ def end_marked_processes(launch_id: str, proc: str = _PROC) -> list[int]:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
     return pids
+
+
+def descendants_of(pid: int, proc: str = _PROC) -> list[int]:
+    """Every process below ``pid`` in the process tree (children first), from /proc.
+
+    Walks each process's ``task/*/children`` lists (cheap: a rank that started nothing
+    reads one short file per thread); where the kernel has no such lists, scans every
+    process's parent instead.
+    """
+    if not os.path.exists(os.path.join(proc, str(pid), "task", str(pid), "children")):
+        return _descendants_by_scan(pid, proc)
+    found: list[int] = []
+    queue = [pid]
+    while queue:
+        for child in _children(queue.pop(), proc):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def _children(pid: int, proc: str) -> list[int]:
+    tasks = os.path.join(proc, str(pid), "task")
+    children: list[int] = []
+    try:
+        threads = os.listdir(tasks)
+    except OSError:  # gone meanwhile
+        return []
+    for thread in threads:
+        try:
+            with open(os.path.join(tasks, thread, "children"), "rb") as listing:
+                children += [int(child) for child in listing.read().split()]
+        except (OSError, ValueError):
+            continue
+    return children
+
+
+def _descendants_by_scan(pid: int, proc: str) -> list[int]:
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir(proc)
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(os.path.join(proc, entry, "stat"), "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    found: list[int] = []
+    queue = [pid]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def end_descendants(pid: int | None = None) -> None:
+    """SIGKILL every process below ``pid`` (this process by default)."""
+    for child in descendants_of(os.getpid() if pid is None else pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(child, signal.SIGKILL)

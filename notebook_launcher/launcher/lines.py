@@ -18,7 +18,9 @@ class LineSplitter:
 
     def __init__(self) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._pending = ""  # text since the last \r or \n
+        # Text since the last \r or \n, as the pieces it arrived in: joined once, when the
+        # line ends, so a line fed in a million reads costs its length, not its square.
+        self._pending: list[str] = []
         self._redrawn = ""  # the last state ended by \r, shown until something replaces it
 
     def feed(self, data: bytes) -> list[tuple[str, bool]]:
@@ -27,24 +29,36 @@ class LineSplitter:
     def close(self) -> list[tuple[str, bool]]:
         """Flush at end of stream: an unterminated last line is still a line."""
         pieces = self._split(self._decoder.decode(b"", final=True))
-        last = self._pending or self._redrawn
+        last = self._take_pending() or self._redrawn
         if last:
             pieces.append((last, False))
-        self._pending = self._redrawn = ""
+        self._redrawn = ""
         return pieces
+
+    @property
+    def pending_pieces(self) -> int:
+        """How many unjoined pieces the unfinished line is held as."""
+        return len(self._pending)
+
+    def _take_pending(self) -> str:
+        text = "".join(self._pending)
+        self._pending.clear()
+        return text
 
     def _split(self, text: str) -> list[tuple[str, bool]]:
         pieces: list[tuple[str, bool]] = []
         start = 0
         for match in _LINE_BREAK.finditer(text):
-            self._pending += text[start : match.start()]
+            if match.start() > start:
+                self._pending.append(text[start : match.start()])
             start = match.end()
+            line = self._take_pending()
             if match.group() != "\r":
-                pieces.append((self._pending or self._redrawn, False))
-                self._pending = self._redrawn = ""
-            elif self._pending:
-                self._redrawn = self._pending
-                pieces.append((self._pending, True))
-                self._pending = ""
-        self._pending += text[start:]
+                pieces.append((line or self._redrawn, False))
+                self._redrawn = ""
+            elif line:
+                self._redrawn = line
+                pieces.append((line, True))
+        if start < len(text):
+            self._pending.append(text[start:])
         return pieces

@@ -23,12 +23,14 @@ import cloudpickle
 
 from notebook_launcher.errors import RankInputError
 from notebook_launcher.launcher.channel import Failure, Hello, Metric, RankMessage, Result
+from notebook_launcher.launcher.descendants import end_descendants
 from notebook_launcher.tracking import add_metric_sink
 
 if TYPE_CHECKING:
     from notebook_launcher.launcher.backends.base import RankEnds
 
 _channel: Connection | None = None
+_forked = False  # started by fork: the kernel's __main__ is this process's __main__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +61,10 @@ def run_rank(
     ends: RankEnds,
 ) -> None:
     """Process target: become a clean rank, run the function, report how it ended."""
-    global _channel
+    global _channel, _forked
     channel = ends.channel
     _channel = channel
+    _forked = not isinstance(payload, bytes)
     channel.send(Hello(os.getpid()))
     add_metric_sink(_forward_metric)
     _detach_from_kernel()
@@ -96,22 +99,40 @@ def run_rank(
 def dump_result(value: Any, keep_devices: bool) -> bytes:
     """Cloudpickle a return value; tensors on an accelerator travel as CPU tensors unless
     ``keep_devices``: rebuilt on a GPU in the kernel, they would initialise CUDA there."""
-    if keep_devices or "torch" not in sys.modules:
-        return cloudpickle.dumps(value)
+    return _dumps(value, to_cpu=not keep_devices)
+
+
+def _dumps(value: Any, to_cpu: bool = False) -> bytes:
     buffer = io.BytesIO()
-    _CpuTensorPickler(buffer).dump(value)
+    _RankPickler(buffer, to_cpu=to_cpu).dump(value)
     return buffer.getvalue()
 
 
-class _CpuTensorPickler(cloudpickle.Pickler):
+class _RankPickler(cloudpickle.Pickler):
+    """cloudpickle, plus: classes of the notebook's ``__main__`` go by reference when the
+    rank was forked (the kernel has the very same class, so ``except MyError`` and
+    ``isinstance`` keep working), and tensors optionally move to the CPU."""
+
+    def __init__(self, file: io.BytesIO, *, to_cpu: bool) -> None:
+        super().__init__(file)
+        self._to_cpu = to_cpu and "torch" in sys.modules
+
     def reducer_override(self, obj: Any) -> Any:
-        torch = sys.modules["torch"]
-        if isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
-            moved = obj.detach().cpu()
-            if isinstance(obj, torch.nn.Parameter):
-                moved = torch.nn.Parameter(moved, requires_grad=obj.requires_grad)
-            return moved.__reduce_ex__(5)
+        if isinstance(obj, type) and _forked and _is_main_global(obj):
+            return NotImplemented  # pickle's own by-reference save
+        if self._to_cpu:
+            torch = sys.modules["torch"]
+            if isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+                moved = obj.detach().cpu()
+                if isinstance(obj, torch.nn.Parameter):
+                    moved = torch.nn.Parameter(moved, requires_grad=obj.requires_grad)
+                return moved.__reduce_ex__(5)
         return super().reducer_override(obj)
+
+
+def _is_main_global(cls: type) -> bool:
+    main = sys.modules.get("__main__")
+    return cls.__module__ == "__main__" and getattr(main, cls.__qualname__, None) is cls
 
 
 def _forward_metric(rank: int, step: int | None, values: dict[str, Any]) -> None:
@@ -158,9 +179,13 @@ def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         import ctypes
 
-        pr_set_pdeathsig = 1
+        pr_set_pdeathsig, pr_set_child_subreaper = 1, 36
         with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+            # What a rank's daemon leaves orphaned (double fork) is re-parented to the rank,
+            # not to init, so the rank still finds it when it ends (see _exit).
+            libc.prctl(pr_set_child_subreaper, 1)
     if os.getppid() == 1:  # the parent died before the line above took effect
         os._exit(1)
 
@@ -232,15 +257,19 @@ def _report_failure(error: BaseException) -> None:
     if error_type.__module__ not in ("builtins", "__main__"):
         qualified = f"{error_type.__module__}.{qualified}"
     try:
-        pickled: bytes | None = cloudpickle.dumps(error)
-    except Exception:
+        pickled: bytes | None = _dumps(error)
+    except Exception:  # e.g. an attribute that cannot be pickled: the type still can
         pickled = None
+    try:
+        pickled_type: bytes | None = _dumps(error_type)
+    except Exception:
+        pickled_type = None
     frames = error.__traceback__
     if frames is not None and frames.tb_frame.f_code is run_rank.__code__:
         frames = frames.tb_next  # the user's code starts below our own frame
     text = "".join(traceback.format_exception(error_type, error, frames))
     with contextlib.suppress(Exception):
-        send(Failure(qualified, str(error), text, time.time(), pickled))
+        send(Failure(qualified, str(error), text, time.time(), pickled, pickled_type))
 
 
 def _release_process_group() -> None:
@@ -255,4 +284,8 @@ def _exit(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    # Nothing a rank started outlives it, even a daemon that left its process group
+    # without running a new program (the launch's id in the environment finds those).
+    with contextlib.suppress(Exception):
+        end_descendants()
     os._exit(code)

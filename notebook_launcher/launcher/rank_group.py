@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import cloudpickle
 
-from notebook_launcher.errors import LaunchCleanupWarning, RankFailure
+from notebook_launcher.errors import LaunchCleanupWarning, LaunchError, RankFailure
 from notebook_launcher.launcher import descendants
 from notebook_launcher.launcher.backends.base import (
     Backend,
@@ -81,28 +81,28 @@ class Rank:
         self.ended_at: float | None = None  # time.time() of its end
         self.finished_sent = False
         self.stop_sent = False
-        self.polled = False  # its end is found by polling its control, not by a sentinel
-        self.channel: Connection
         self.commands: Connection | None = None
-        self.ends: RankEnds
-        opened: list[int] = []
+        made: list[Connection] = []  # closed again if making the next one fails
+        readers: list[int] = []  # read with os.read, closed by close_stream
         try:
-            for name in ("stdout", "stderr"):
+            for _stream in ("stdout", "stderr"):
                 read_end, write_end = os.pipe()
-                opened += [read_end, write_end]
+                readers.append(read_end)
+                made.append(Connection(write_end, readable=False))
                 os.set_blocking(read_end, False)
-                self.streams[read_end] = name
-                setattr(self, f"_{name}_w", Connection(write_end, readable=False))
             self.channel, channel_w = multiprocessing.Pipe(duplex=False)
+            made += [self.channel, channel_w]
             commands_r = None
             if with_commands:
                 commands_r, self.commands = multiprocessing.Pipe(duplex=False)
         except BaseException:
-            for fd in opened:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            for connection in made:
+                connection.close()
+            for fd in readers:
+                os.close(fd)
             raise
-        self.ends = RankEnds(self._stdout_w, self._stderr_w, channel_w, commands_r)  # type: ignore[attr-defined]
+        self.streams = dict(zip(readers, ("stdout", "stderr")))
+        self.ends = RankEnds(made[0], made[1], channel_w, commands_r)
 
     @property
     def pid(self) -> int | None:
@@ -151,6 +151,7 @@ class Outcome:
     results: dict[int, Result] = dataclasses.field(default_factory=dict)
     failures: list[RankFailure] = dataclasses.field(default_factory=list)
     remote_exceptions: dict[int, BaseException] = dataclasses.field(default_factory=dict)
+    remote_types: dict[int, type[BaseException]] = dataclasses.field(default_factory=dict)
     finished_at: dict[int, float] = dataclasses.field(default_factory=dict)  # rank -> time.time()
     timed_out_ranks: list[int] = dataclasses.field(default_factory=list)
     stopped_from_outside: bool = False
@@ -210,8 +211,6 @@ class RankGroup:
             self._selector.register(rank.channel.fileno(), selectors.EVENT_READ, (rank, "channel"))
             if control.sentinel is not None:
                 self._selector.register(control.sentinel, selectors.EVENT_READ, (rank, "exit"))
-            else:
-                rank.polled = True
         for rank in self.ranks:
             self._emit(RankStarted(rank.rank, rank.pid, self.plan.device(rank.spec.local_rank)))
 
@@ -249,15 +248,18 @@ class RankGroup:
             elif kind == "channel":
                 if not rank.channel.closed:
                     self._read_channel(rank)
-            elif rank.alive and rank.control is not None:
+            elif rank.control is not None:
                 self._unregister(rank.control.sentinel)
-                rank.polled = True
+                if not rank.alive:
+                    continue
                 # The sentinel closes as the process exits, a moment before it can be reaped.
                 ended = rank.control.wait(_REAP_WAIT_S)
                 if ended is not None:
                     self._on_end(rank, ended)
-        for rank in self.ranks:  # ranks without a sentinel (or whose sentinel closed early)
-            if rank.alive and rank.control is not None and rank.polled:
+        # Every pass also polls: ranks without a sentinel, a sentinel that closed a moment
+        # before the exit could be reaped, and one held open by something the rank forked.
+        for rank in self.ranks:
+            if rank.alive and rank.control is not None:
                 ended = rank.control.poll()
                 if ended is not None:
                     self._on_end(rank, ended)
@@ -267,7 +269,10 @@ class RankGroup:
         """Send a command to one rank (a group started ``with_commands``)."""
         connection = self.ranks[rank].commands
         if connection is None:
-            raise RuntimeError("this rank group was started without command connections")
+            raise LaunchError(
+                f"cannot send a command to rank {rank}: its group was started without command "
+                "connections; start it with with_commands=True."
+            )
         connection.send(message)
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
@@ -347,6 +352,8 @@ class RankGroup:
 
     def _on_end(self, rank: Rank, ended: Ended) -> None:
         rank.mark_ended(ended)
+        if rank.control is not None:  # found by polling: its sentinel must not keep the loop busy
+            self._unregister(rank.control.sentinel)
         # The rank wrote its last message before exiting: take it before judging the exit.
         while not rank.channel.closed and rank.channel.poll():
             self._read_channel(rank)
@@ -370,7 +377,7 @@ class RankGroup:
         exitcode = rank.ended.exitcode if rank.ended is not None else None
         for message in rank.messages:
             if isinstance(message, Failure):
-                self._keep_remote_exception(rank.rank, message.exception)
+                self._keep_remote_exception(rank.rank, message.exception, message.exception_class)
                 return RankFailure(
                     rank.rank, rank.pid, exitcode, message.exception_type, message.message,
                     message.traceback, time=message.time,
@@ -384,11 +391,13 @@ class RankGroup:
             rank.rank, rank.pid, exitcode, output_tail=crash_excerpt(list(rank.tail)), time=time.time()
         )
 
-    def _keep_remote_exception(self, rank: int, pickled: bytes | None) -> None:
-        if pickled is None:
-            return
-        with contextlib.suppress(Exception):  # its class may not exist in the kernel
-            self.outcome.remote_exceptions[rank] = cloudpickle.loads(pickled)
+    def _keep_remote_exception(
+        self, rank: int, pickled: bytes | None, pickled_class: bytes | None
+    ) -> None:
+        for data, where in ((pickled, self.outcome.remote_exceptions), (pickled_class, self.outcome.remote_types)):
+            if data is not None:
+                with contextlib.suppress(Exception):  # its class may not exist in the kernel
+                    where[rank] = cloudpickle.loads(data)
 
     def _check_limits(self) -> None:
         now = time.monotonic()
@@ -444,7 +453,10 @@ class RankGroup:
         for rank in self.ranks:  # what the ranks started, left in their process groups
             if rank.control is not None:
                 rank.control.signal(signal.SIGKILL)
-        descendants.end_marked_processes(self.launch_id)  # and what left them
+        # And what left those groups. A rank that returned ended its own descendants as it
+        # exited (it is their subreaper); one that was stopped or crashed could not.
+        if any(r.control is not None and r.rank not in self.outcome.results for r in self.ranks):
+            descendants.end_marked_processes(self.launch_id)
         for rank in self.ranks:
             if rank.ended is not None and not rank.finished_sent:
                 with contextlib.suppress(Exception):  # an observer's bug must not stop cleanup

@@ -57,9 +57,12 @@ def rank_failed_error(outcome: Outcome) -> RankFailedError:
     elif root.output_tail:
         lines += ["", f"Last output of rank {root.rank}:", root.output_tail]
     remote = outcome.remote_exceptions.get(root.rank)
-    error = rank_failed_error_class(type(remote) if remote is not None else None)(
-        "\n".join(lines), failures
-    )
+    # Where the exception itself could not travel (an attribute that cannot be pickled),
+    # its type alone still makes `except ValueError` work.
+    remote_type = type(remote) if remote is not None else outcome.remote_types.get(root.rank)
+    if remote_type is not None and not (isinstance(remote_type, type) and issubclass(remote_type, BaseException)):
+        remote_type = None
+    error = rank_failed_error_class(remote_type)("\n".join(lines), failures)
     if remote is not None:
         error.__cause__ = remote
     return error

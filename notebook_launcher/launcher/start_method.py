@@ -29,10 +29,10 @@ def _read_own_maps() -> str:
         return ""
 
 
-def cuda_driver_loaded(read_maps: Callable[[], str] = _read_own_maps) -> bool:
+def cuda_driver_loaded(read_maps: Callable[[], str] | None = None) -> bool:
     """Whether the CUDA driver is mapped into this process, by torch or any other library
     (cupy, numba, jax, bitsandbytes...). Tests pass a fake ``read_maps``."""
-    text = read_maps()
+    text = (read_maps or _read_own_maps)()
     return any(name in text for name in _CUDA_DRIVER_NAMES)
 
 
@@ -53,7 +53,7 @@ class KernelState:
         cls,
         platform: str | None = None,
         available: list[str] | None = None,
-        read_maps: Callable[[], str] = _read_own_maps,
+        read_maps: Callable[[], str] | None = None,
     ) -> KernelState:
         platform = sys.platform if platform is None else platform
         support = rules.start_method_support(
@@ -90,8 +90,9 @@ def fork_blocker(state: KernelState) -> str | None:
         return "CUDA was initialised in this kernel, and forked ranks cannot use it"
     if state.cuda_driver_loaded:
         return (
-            "a library loaded the CUDA driver in this kernel (libcuda: cupy, numba, jax, "
-            "bitsandbytes or torch itself), and forked ranks could not use CUDA"
+            "the CUDA driver was initialised in this kernel (libcuda is loaded: "
+            "torch.cuda.is_available(), cupy, numba, jax or bitsandbytes do that), and forked "
+            "ranks could not use CUDA"
         )
     if state.process_group_initialized:
         return (

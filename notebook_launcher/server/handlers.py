@@ -23,18 +23,60 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 
 from notebook_launcher import defaults as launch_defaults
-from notebook_launcher import hardware, registry
+from notebook_launcher import hardware, registry, rules
 
 AUTH_RESOURCE = "notebook_launcher"
 
 
+class GpuInfoJSON(TypedDict):
+    index: int
+    name: str
+    memory_mib: int
+    compute_capability: str
+
+
+class HardwareReportJSON(TypedDict):  # HardwareReport.to_dict()
+    cpu_count: int
+    gpus: list[GpuInfoJSON]
+    driver_version: str | None
+    tpu_cores: int
+    mps_available: bool
+    platform: str
+    python_version: str
+    torch_version: str | None
+    torch_xla_version: str | None
+    accelerator: str
+    default_num_processes: int
+    max_num_processes: int
+    precisions: dict[str, str | None]
+
+
+class NumProcessesChoice(TypedDict):
+    min: int
+    max: int
+    default: int
+    note: str
+
+
+class ChoicesJSON(TypedDict):  # notebook_launcher.rules.choices()
+    num_processes: NumProcessesChoice
+    mixed_precision: dict[str, str | None]
+    start_method: dict[str, str | None]
+
+
 class HardwareReply(TypedDict):
-    hardware: dict[str, Any]  # HardwareReport.to_dict()
-    choices: dict[str, Any]  # notebook_launcher.defaults.choices()
+    hardware: HardwareReportJSON
+    choices: ChoicesJSON
+
+
+class LaunchDefaultsJSON(TypedDict):  # LaunchDefaults.to_dict()
+    num_processes: int | None
+    mixed_precision: str | None
+    start_method: str | None
 
 
 class DefaultsReply(TypedDict):
-    defaults: dict[str, Any]  # LaunchDefaults.to_dict()
+    defaults: LaunchDefaultsJSON
     path: str
     description: str  # what notebook_launcher() with no arguments will now do
     problem: str | None  # why a saved file was ignored, if it was
@@ -87,7 +129,10 @@ class HardwareHandler(_Handler):
     async def get(self) -> None:
         report = await _hardware_report()
         self._reply(
-            HardwareReply(hardware=report.to_dict(), choices=launch_defaults.choices(report))
+            HardwareReply(
+                hardware=report.to_dict(),  # type: ignore[typeddict-item]
+                choices=rules.choices(report),  # type: ignore[typeddict-item]
+            )
         )
 
 
@@ -111,6 +156,13 @@ class DefaultsHandler(_Handler):
     async def post(self) -> None:
         try:
             body = json.loads(self.request.body or b"null")
+        except RecursionError:
+            self._refuse(
+                400,
+                'The request body is JSON nested too deeply to be launch defaults; send an '
+                'object such as {"num_processes": 2}.',
+            )
+            return
         except ValueError as e:
             self._refuse(
                 400,
@@ -140,7 +192,7 @@ class DefaultsHandler(_Handler):
         saved: launch_defaults.LaunchDefaults, report: hardware.HardwareReport, problem: str | None
     ) -> DefaultsReply:
         return DefaultsReply(
-            defaults=saved.to_dict(),
+            defaults=saved.to_dict(),  # type: ignore[typeddict-item]
             path=str(launch_defaults.defaults_path()),
             description=launch_defaults.describe_launch(saved, report),
             problem=problem,

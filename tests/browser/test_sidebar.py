@@ -210,10 +210,11 @@ def test_sidebar_shows_hardware_and_saves_the_chosen_defaults(page: object, lab:
     )
     # Impossible choices are disabled, with the reason shown.
     precision = sidebar.get_by_label("Mixed precision")  # type: ignore[attr-defined]
-    expect(precision.locator('option[value="fp16"]')).to_be_disabled()
+    expect(precision.locator('option[value="fp8"]')).to_be_disabled()
     expect(precision.locator('option[value="bf16"]')).to_be_enabled()
+    expect(precision.locator('option[value="fp16"]')).to_be_enabled()  # torch runs it on CPU
     expect(sidebar).to_contain_text(  # type: ignore[arg-type]
-        "fp16: fp16 training needs a CUDA GPU (gradient scaling); this machine runs ranks on CPU: use bf16"
+        "fp8: fp8 needs a Hopper-class NVIDIA GPU; this machine runs ranks on CPU"
     )
     _screenshot(page, "sidebar-1-hardware")
 
