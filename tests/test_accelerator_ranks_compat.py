@@ -167,9 +167,9 @@ def fp16_in_rank() -> list[str]:
     from notebook_launcher.accelerator import Accelerator
 
     accelerator = Accelerator(mixed_precision="fp16")
-    model = accelerator.prepare(torch.nn.Linear(4, 4))
+    model = accelerator.prepare(torch.nn.Sequential(torch.nn.Linear(4, 4)))
     seen: list[str] = []
-    accelerator.unwrap_model(model).register_forward_hook(lambda m, i, o: seen.append(str(o.dtype)))
+    accelerator.unwrap_model(model)[0].register_forward_hook(lambda m, i, o: seen.append(str(o.dtype)))
     accelerator.backward(model(torch.randn(2, 4)).sum())
     return [*seen, type(accelerator.scaler).__name__]
 

@@ -165,7 +165,6 @@ class Accelerator(Coordination, Checkpointing):
         self.fp8_layers: list[str] = []
         self.logged: list[dict[str, Any]] = []
         self.trackers: list[GeneralTracker] = []
-        self.step = 0  # optimizer-step cycles entered through accumulate (accelerate's counter)
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
@@ -221,6 +220,15 @@ class Accelerator(Coordination, Checkpointing):
     @gradient_accumulation_steps.setter
     def gradient_accumulation_steps(self, steps: int) -> None:
         self.gradient_state.num_steps = steps
+
+    @property
+    def step(self) -> int:
+        """Micro-steps entered through ``accumulate`` in the current cycle (accelerate's counter)."""
+        return self.gradient_state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.gradient_state.step = value
 
     @property
     def sync_gradients(self) -> bool:
@@ -365,8 +373,6 @@ class Accelerator(Coordination, Checkpointing):
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
         """One micro-step: gradients sync (and the optimizer steps) every N-th or the last batch."""
         self._do_sync()
-        if self.gradient_state.sync_gradients:
-            self.step += 1
         allow_sync = self.gradient_state.sync_gradients or (
             self.use_distributed and self.gradient_state.sync_each_batch
         )

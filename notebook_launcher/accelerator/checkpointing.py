@@ -11,7 +11,9 @@ rank's random states (``random_states_<rank>.pkl``) and objects registered with
 
 Resuming mid-epoch: ``load_state`` puts each loader back at the start of the epoch that
 was running, with that epoch's shuffle, and ``skip_first_batches(loader, n)`` skips the
-batches already trained on, so the run continues exactly where it stopped.
+batches already trained on, so the run continues exactly where it stopped. Gradients
+accumulated since the last optimizer step are not saved (as in accelerate): save where
+``accelerator.sync_gradients`` is True.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from notebook_launcher.errors import CheckpointError
 if TYPE_CHECKING:
     from notebook_launcher.accelerator.accelerator_state import AcceleratorState
     from notebook_launcher.accelerator.data import DataLoaderShard
-    from notebook_launcher.accelerator.gradient_state import GradientState
     from notebook_launcher.accelerator.optimizer import AcceleratedOptimizer
     from notebook_launcher.accelerator.scheduler import AcceleratedScheduler
 
@@ -79,10 +80,8 @@ class Checkpointing:
     """The Accelerator's checkpoint methods (a mixin over its prepared objects)."""
 
     state: AcceleratorState
-    gradient_state: GradientState
     project_configuration: ProjectConfiguration
     scaler: torch.amp.GradScaler | None
-    step: int
     _models: list[torch.nn.Module]
     _optimizers: list[AcceleratedOptimizer]
     _schedulers: list[AcceleratedScheduler]
@@ -202,7 +201,6 @@ class Checkpointing:
     def _rank_states(self) -> dict[str, Any]:
         states: dict[str, Any] = {
             "step": self.step,
-            "gradient_state": self.gradient_state.state_dict(),
             "random_state": random.getstate(),
             "torch_manual_seed": torch.get_rng_state(),
         }
@@ -290,7 +288,6 @@ class Checkpointing:
             )
         states = torch.load(path, weights_only=False)
         self.step = int(states.get("step", 0))
-        self.gradient_state.load_state_dict(states.get("gradient_state", {}))
         random.setstate(states["random_state"])
         torch.set_rng_state(states["torch_manual_seed"])
         if "numpy_random_seed" in states:

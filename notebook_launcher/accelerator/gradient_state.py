@@ -65,9 +65,3 @@ class GradientState:
     @classmethod
     def _reset_state(cls) -> None:
         """Kept for code written for accelerate's singleton; each Accelerator has its own state here."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state.get("step", 0))
