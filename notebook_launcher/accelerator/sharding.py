@@ -120,6 +120,10 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         self.last_round_real_samples = None
         batches = self._synchronised_batches()
+        if self.world_size == 1:
+            # Nothing to split or pad: this wrapper only records the epoch's shuffle.
+            yield from batches
+            return
         round_size = self.round_size
         start_of_epoch: list[int] = []
         pending: list[list[int]] = []
