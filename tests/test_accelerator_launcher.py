@@ -71,3 +71,16 @@ def test_fp16_asked_for_in_a_cpu_rank_runs() -> None:
         "torch.float32 fp16",
         "torch.float32 fp16",
     ]
+
+
+def fp8_on_cpu() -> None:
+    from notebook_launcher.accelerator import Accelerator
+
+    Accelerator(mixed_precision="fp8")
+
+
+def test_a_precision_a_cpu_rank_cannot_run_fails_the_launch_with_the_reason() -> None:
+    with pytest.raises(
+        ValueError, match=r"asks for 'fp8', which cannot run here: fp8 needs a Hopper-class NVIDIA GPU"
+    ):
+        notebook_launcher(fp8_on_cpu, num_processes=2)

@@ -1,7 +1,7 @@
 """Mixed precision: which precision runs, whether it can, and the torch parts that do it.
 
 "bf16" is ``torch.autocast`` to bfloat16 (CPU, CUDA, XLA); "fp16" is autocast to float16
-plus a ``torch.amp.GradScaler`` (CUDA and CPU); "fp8" converts eligible Linear layers with
+plus a ``torch.amp.GradScaler`` (CUDA, CPU, MPS); "fp8" converts eligible Linear layers with
 torchao's float8 training and runs the remaining ops under bf16 autocast (Hopper/Ada
 GPUs). What was asked is what runs: an impossible choice raises, it never degrades to
 fp32 silently.
@@ -28,7 +28,7 @@ PRECISIONS = hardware.PRECISIONS
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 _AUTOCAST_DEVICE_TYPES = {"cuda": "cuda", "cpu": "cpu", "tpu": "xla", "mps": "mps"}
 # torch scales fp16 gradients on these devices (torch.amp.GradScaler(device)).
-_GRAD_SCALER_DEVICES = ("cuda", "cpu")
+_GRAD_SCALER_DEVICES = ("cuda", "cpu", "mps")
 # torchao's float8 matmuls need both Linear dimensions to be multiples of 16.
 FP8_DIM_MULTIPLE = 16
 
@@ -79,9 +79,6 @@ def check_precision_supported(
 ) -> None:
     """Raise MixedPrecisionError naming the device when ``precision`` cannot run on it."""
     if precision == "no":
-        return
-    if precision == "fp16" and device_kind == "cpu":
-        # torch runs float16 autocast and GradScaler("cpu") on any CPU; accelerate accepts it too.
         return
     if device_kind == "cuda" and precision in ("bf16", "fp8"):
         report = detect_hardware()
