@@ -117,7 +117,6 @@ class Accelerator(Coordination, Checkpointing):
         log_with: str | GeneralTracker | list[str | GeneralTracker] | None = None,
         project_dir: str | os.PathLike[str] | None = None,
         project_config: ProjectConfiguration | None = None,
-        rng_types: list[str] | None = None,
     ) -> None:
         plugin = _accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
         handlers = _index_handlers(kwargs_handlers)
@@ -161,7 +160,6 @@ class Accelerator(Coordination, Checkpointing):
         self.project_configuration = Checkpointing.make_project_configuration(
             project_dir, project_config
         )
-        self.rng_types = list(rng_types) if rng_types is not None else ["torch"]
         self.fp8_layers: list[str] = []
         self.logged: list[dict[str, Any]] = []
         self.trackers: list[GeneralTracker] = []
