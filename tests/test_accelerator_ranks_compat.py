@@ -28,7 +28,11 @@ def launch(function: Any, *args: Any) -> list[Any]:
 
 # ---- resuming --------------------------------------------------------------------------------
 def resumable_run(folder: str, mode: str) -> dict[str, torch.Tensor]:
-    """mode: "full" (3 epochs), "stop" (save after batch 3 of epoch 1), "resume" (from the save)."""
+    """mode: "full" (3 epochs), "stop" (save after batch 4 of epoch 1), "resume" (from the save).
+
+    Batch 4 of an epoch is the middle of a 2-step accumulation cycle: the gradients of
+    that batch are held, not yet applied, when the run stops.
+    """
     from torch.utils.data import DataLoader, TensorDataset
 
     from notebook_launcher.accelerator import Accelerator, set_seed
@@ -45,7 +49,7 @@ def resumable_run(folder: str, mode: str) -> dict[str, torch.Tensor]:
     first_epoch, skip = 0, 0
     if mode == "resume":
         accelerator.load_state(folder)
-        first_epoch, skip = 1, 4
+        first_epoch, skip = 1, 5
     for epoch in range(first_epoch, 3):
         active = accelerator.skip_first_batches(loader, skip) if epoch == first_epoch else loader
         for i, (x, y) in enumerate(active, start=skip if epoch == first_epoch else 0):
@@ -55,7 +59,7 @@ def resumable_run(folder: str, mode: str) -> dict[str, torch.Tensor]:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            if mode == "stop" and (epoch, i) == (1, 3):
+            if mode == "stop" and (epoch, i) == (1, 4):
                 accelerator.save_state(folder)
                 return {}
     return {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
@@ -68,6 +72,8 @@ def test_a_two_rank_run_stopped_mid_epoch_and_resumed_ends_with_the_uninterrupte
     full = launch(resumable_run, folder, "full")
     launch(resumable_run, folder, "stop")
     assert sorted(p.name for p in Path(folder).iterdir()) == [
+        "gradients_0.bin",
+        "gradients_1.bin",
         "model.safetensors",
         "optimizer.bin",
         "random_states_0.pkl",

@@ -5,15 +5,15 @@ A checkpoint folder holds, under accelerate's file names: the prepared models
 (``optimizer.bin``), LR schedulers (``scheduler.bin``), the fp16 ``scaler.pt``, each prepared
 loader's position (``sampler.bin``: epoch and the shuffle of the current epoch), every
 rank's random states (``random_states_<rank>.pkl``) and objects registered with
-``register_for_checkpointing`` (``custom_checkpoint_<i>.pkl``). With
+``register_for_checkpointing`` (``custom_checkpoint_<i>.pkl``), and gradients accumulated since the last optimizer step
+(``gradients_<rank>.bin``, only when there are any). With
 ``ProjectConfiguration(automatic_checkpoint_naming=True)`` folders are
 ``<project_dir>/checkpoints/checkpoint_<n>``, the oldest removed beyond ``total_limit``.
 
 Resuming mid-epoch: ``load_state`` puts each loader back at the start of the epoch that
 was running, with that epoch's shuffle, and ``skip_first_batches(loader, n)`` skips the
-batches already trained on, so the run continues exactly where it stopped. Gradients
-accumulated since the last optimizer step are not saved (as in accelerate): save where
-``accelerator.sync_gradients`` is True.
+batches already trained on, so the run continues exactly where it stopped, also in the
+middle of a gradient accumulation cycle.
 """
 
 from __future__ import annotations
@@ -169,7 +169,11 @@ class Checkpointing:
         )
         if writer:
             self._save_shared(target, safe_serialization)
-        torch.save(self._rank_states(), target / f"random_states_{self.state.process_index}.pkl")
+        rank = self.state.process_index
+        torch.save(self._rank_states(), target / f"random_states_{rank}.pkl")
+        gradients = self._accumulated_gradients()
+        if gradients is not None:
+            torch.save(gradients, target / f"gradients_{rank}.bin")
         self.state.wait_for_everyone()
         if config.automatic_checkpoint_naming:
             config.iteration += 1
@@ -197,6 +201,25 @@ class Checkpointing:
             torch.save(self.scaler.state_dict(), target / "scaler.pt")
         for i, obj in enumerate(self._custom_objects):
             torch.save(obj.state_dict(), target / f"custom_checkpoint_{i}.pkl")
+
+    def _accumulated_gradients(self) -> list[list[torch.Tensor | None]] | None:
+        """Each model's gradients when some are held (mid-accumulation); they differ per rank."""
+        from notebook_launcher.accelerator.accelerator import unwrap
+
+        grads = [[p.grad for p in unwrap(m).parameters()] for m in self._models]
+        if not any(g is not None for model in grads for g in model):
+            return None
+        return [[None if g is None else g.detach().cpu() for g in model] for model in grads]
+
+    def _load_gradients(self, source: Path) -> None:
+        from notebook_launcher.accelerator.accelerator import unwrap
+
+        path = source / f"gradients_{self.state.process_index}.bin"
+        saved = torch.load(path, weights_only=True) if path.exists() else None
+        for i, model in enumerate(self._models):
+            for j, parameter in enumerate(unwrap(model).parameters()):
+                grad = saved[i][j] if saved is not None else None
+                parameter.grad = None if grad is None else grad.to(parameter.device, parameter.dtype)
 
     def _rank_states(self) -> dict[str, Any]:
         states: dict[str, Any] = {
@@ -242,6 +265,7 @@ class Checkpointing:
         self._refuse_fully_sharded("load_state")
         self._load_shared(source)
         self._load_rank_states(source)
+        self._load_gradients(source)
 
     def _load_shared(self, source: Path) -> None:
         from notebook_launcher.accelerator.accelerator import unwrap
