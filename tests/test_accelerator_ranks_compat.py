@@ -87,6 +87,42 @@ def test_a_two_rank_run_stopped_mid_epoch_and_resumed_ends_with_the_uninterrupte
             torch.testing.assert_close(resumed[rank][name], value, rtol=1e-6, atol=1e-7)
 
 
+def fsdp_run(folder: str, mode: str) -> dict[str, torch.Tensor]:
+    """FSDP2 on 2 ranks: "full" trains 8 steps; "stop" saves after 4; "resume" loads and trains 4."""
+    from notebook_launcher.accelerator import Accelerator, FullyShardedDataParallelPlugin, set_seed
+
+    accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin())
+    set_seed(0 if mode != "resume" else 99)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    steps = range(8)
+    if mode == "resume":
+        accelerator.load_state(folder)
+        steps = range(4, 8)
+    for step in steps:
+        x = torch.linspace(-1, 1, 12).reshape(3, 4) * (step + 1 + accelerator.process_index)
+        loss = model(x).pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if mode == "stop" and step == 3:
+            accelerator.save_state(folder)
+            return {}
+    return {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
+
+
+def test_an_fsdp2_run_saved_and_resumed_ends_with_the_uninterrupted_weights(tmp_path: Path) -> None:
+    folder = str(tmp_path / "checkpoint")
+    full = launch(fsdp_run, folder, "full")[0]
+    launch(fsdp_run, folder, "stop")
+    assert (Path(folder) / "pytorch_model.bin").exists()  # the gathered full weights
+    resumed = launch(fsdp_run, folder, "resume")[0]
+    assert full.keys() == resumed.keys() and full
+    for name, value in full.items():
+        torch.testing.assert_close(resumed[name], value, rtol=1e-6, atol=1e-7)
+
+
 # ---- collectives -------------------------------------------------------------------------------
 def mixed_metrics() -> list[Any]:
     from torch.utils.data import DataLoader

@@ -1,7 +1,8 @@
 """Saving and resuming a whole training state: ``save_state`` / ``load_state``, as in accelerate.
 
 A checkpoint folder holds, under accelerate's file names: the prepared models
-(``model.safetensors`` or ``pytorch_model.bin``, then ``model_1...``), optimizers
+(``model.safetensors`` or ``pytorch_model.bin``, then ``model_1...``; an FSDP2-sharded
+model as its gathered full weights in ``pytorch_model.bin``), optimizers
 (``optimizer.bin``), LR schedulers (``scheduler.bin``), the fp16 ``scaler.pt``, each prepared
 loader's position (``sampler.bin``: epoch and the shuffle of the current epoch), every
 rank's random states (``random_states_<rank>.pkl``) and objects registered with
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from notebook_launcher.accelerator.fsdp import is_fully_sharded
+from notebook_launcher.accelerator import fsdp
 from notebook_launcher.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -161,14 +162,14 @@ class Checkpointing:
             )
         else:
             target = Path(output_dir)
-        self._refuse_fully_sharded("save_state")
         self.state.wait_for_everyone()
         target.mkdir(parents=True, exist_ok=True)
         writer = self.state.is_main_process or (
             config.save_on_each_node and self.state.is_local_main_process
         )
+        weights = self._full_weights()  # a collective under FSDP2: every rank takes part
         if writer:
-            self._save_shared(target, safe_serialization)
+            self._save_shared(target, weights, safe_serialization)
         rank = self.state.process_index
         torch.save(self._rank_states(), target / f"random_states_{rank}.pkl")
         gradients = self._accumulated_gradients()
@@ -179,20 +180,46 @@ class Checkpointing:
             config.iteration += 1
         return os.fspath(target)
 
-    def _save_shared(self, target: Path, safe_serialization: bool) -> None:
+    def _optimizer_owner(self, optimizer: AcceleratedOptimizer) -> torch.nn.Module | None:
+        """The FSDP2-sharded model whose parameters this optimizer updates, if any."""
+        first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+        for model in self._models:
+            if fsdp.is_fully_sharded(model) and any(p is first for p in model.parameters()):
+                return model
+        return None
+
+    def _full_weights(self) -> tuple[list[Any], list[dict[str, Any]]]:
+        """Each model (or its gathered full state under FSDP2) and each optimizer's state."""
         from notebook_launcher.accelerator.accelerator import unwrap
 
+        models: list[Any] = [
+            fsdp.full_state_dict(m) if fsdp.is_fully_sharded(m) else unwrap(m) for m in self._models
+        ]
+        optimizers = []
+        for optimizer in self._optimizers:
+            owner = self._optimizer_owner(optimizer)
+            optimizers.append(
+                optimizer.state_dict()
+                if owner is None
+                else fsdp.full_optimizer_state_dict(owner, optimizer.optimizer)
+            )
+        return models, optimizers
+
+    def _save_shared(
+        self, target: Path, weights: tuple[list[Any], list[dict[str, Any]]], safe_serialization: bool
+    ) -> None:
+        models, optimizers = weights
         use_safetensors = safe_serialization and _safetensors_available()
-        for i, model in enumerate(self._models):
-            module = unwrap(model)
-            if use_safetensors:
+        for i, model in enumerate(models):
+            if isinstance(model, torch.nn.Module) and use_safetensors:
                 from safetensors.torch import save_model
 
-                save_model(module, os.fspath(target / _indexed("model", i, ".safetensors")))
+                save_model(model, os.fspath(target / _indexed("model", i, ".safetensors")))
             else:
-                torch.save(module.state_dict(), target / _indexed("pytorch_model", i, ".bin"))
-        for i, optimizer in enumerate(self._optimizers):
-            torch.save(optimizer.state_dict(), target / _indexed("optimizer", i, ".bin"))
+                state = model.state_dict() if isinstance(model, torch.nn.Module) else model
+                torch.save(state, target / _indexed("pytorch_model", i, ".bin"))
+        for i, state in enumerate(optimizers):
+            torch.save(state, target / _indexed("optimizer", i, ".bin"))
         for i, scheduler in enumerate(self._schedulers):
             torch.save(scheduler.state_dict(), target / _indexed("scheduler", i, ".bin"))
         for i, loader in enumerate(self._dataloaders):
@@ -206,7 +233,11 @@ class Checkpointing:
         """Each model's gradients when some are held (mid-accumulation); they differ per rank."""
         from notebook_launcher.accelerator.accelerator import unwrap
 
-        grads = [[p.grad for p in unwrap(m).parameters()] for m in self._models]
+        # FSDP2 gradients are per-rank shards of DTensors: not kept (save where sync_gradients is True).
+        grads = [
+            [] if fsdp.is_fully_sharded(m) else [p.grad for p in unwrap(m).parameters()]
+            for m in self._models
+        ]
         if not any(g is not None for model in grads for g in model):
             return None
         return [[None if g is None else g.detach().cpu() for g in model] for model in grads]
@@ -217,6 +248,8 @@ class Checkpointing:
         path = source / f"gradients_{self.state.process_index}.bin"
         saved = torch.load(path, weights_only=True) if path.exists() else None
         for i, model in enumerate(self._models):
+            if fsdp.is_fully_sharded(model):
+                continue
             for j, parameter in enumerate(unwrap(model).parameters()):
                 grad = saved[i][j] if saved is not None else None
                 parameter.grad = None if grad is None else grad.to(parameter.device, parameter.dtype)
@@ -262,7 +295,6 @@ class Checkpointing:
                 "load_state() needs a folder: pass load_state(input_dir=...), or create the "
                 "Accelerator with ProjectConfiguration(automatic_checkpoint_naming=True)."
             )
-        self._refuse_fully_sharded("load_state")
         self._load_shared(source)
         self._load_rank_states(source)
         self._load_gradients(source)
@@ -273,17 +305,24 @@ class Checkpointing:
         for i, model in enumerate(self._models):
             module = unwrap(model)
             safe = source / _indexed("model", i, ".safetensors")
-            if safe.exists():
+            if safe.exists() and not fsdp.is_fully_sharded(model):
                 from safetensors.torch import load_model
 
                 load_model(module, os.fspath(safe), device=str(self.state.device))
+                continue
+            path = source / _indexed("pytorch_model", i, ".bin")
+            if fsdp.is_fully_sharded(model):
+                fsdp.load_full_state_dict(model, torch.load(path, map_location="cpu"))
             else:
-                weights = torch.load(
-                    source / _indexed("pytorch_model", i, ".bin"), map_location=self.state.device
-                )
-                module.load_state_dict(weights)
+                module.load_state_dict(torch.load(path, map_location=self.state.device))
+        for i, optimizer in enumerate(self._optimizers):
+            state = torch.load(source / _indexed("optimizer", i, ".bin"), map_location="cpu", weights_only=False)
+            owner = self._optimizer_owner(optimizer)
+            if owner is None:
+                optimizer.load_state_dict(state)
+            else:
+                fsdp.load_full_optimizer_state_dict(owner, optimizer.optimizer, state)
         loads: list[tuple[str, list[Any]]] = [
-            ("optimizer", self._optimizers),
             ("scheduler", self._schedulers),
             ("sampler", self._dataloaders),
         ]
@@ -320,13 +359,6 @@ class Checkpointing:
             np.random.set_state(states["numpy_random_seed"])
         if "torch_cuda_manual_seed" in states and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
-
-    def _refuse_fully_sharded(self, what: str) -> None:
-        if any(is_fully_sharded(m) for m in self._models):
-            raise CheckpointError(
-                f"{what} does not handle FSDP2-sharded models; save the full weights with "
-                "accelerator.get_state_dict(model) (on every rank) and accelerator.save(...)."
-            )
 
     # ---- resuming mid-epoch --------------------------------------------------------------
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
