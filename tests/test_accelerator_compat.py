@@ -133,6 +133,7 @@ def test_a_prepared_loaders_batch_sampler_wraps_the_seedable_one() -> None:
     )
     assert isinstance(loader.batch_sampler, ShardedBatchSampler)
     assert isinstance(loader.batch_sampler.batch_sampler.sampler, SeedableRandomSampler)
+    assert loader.batch_sampler.sampler is loader.batch_sampler.batch_sampler.sampler
 
 
 def test_the_accumulation_plugin_sets_the_steps_and_syncing() -> None:

@@ -93,6 +93,11 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.epoch_start: tuple[str, Any] | None = None
         self._replay: tuple[str, Any] | None = None
 
+    @property
+    def sampler(self) -> Any:
+        """The inner batch sampler's sampler (code reading ``loader.batch_sampler.sampler`` keeps working)."""
+        return getattr(self.batch_sampler, "sampler", None)
+
     def state_dict(self) -> dict[str, Any]:
         return {"epoch_start": self.epoch_start}
 
