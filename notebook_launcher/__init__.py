@@ -34,6 +34,8 @@ _TRAINING_CORE = {
     "DistributedType",
     "FullyShardedDataParallelPlugin",
     "GradScalerKwargs",
+    "GradientAccumulationPlugin",
+    "ProjectConfiguration",
     "set_seed",
 }
 
@@ -56,10 +58,12 @@ __all__ = [
     "DistributedType",
     "FullyShardedDataParallelPlugin",
     "GradScalerKwargs",
+    "GradientAccumulationPlugin",
     "LaunchConfigError",
     "LaunchError",
     "LaunchStoppedError",
     "LaunchTimeoutError",
+    "ProjectConfiguration",
     "RankFailedError",
     "__version__",
     "debug_launcher",

@@ -167,3 +167,15 @@ class ShardingError(AcceleratorError, ValueError):
 
 class MissingDependencyError(AcceleratorError, ImportError):
     """An optional package a chosen feature needs is not installed."""
+
+
+class CollectiveError(AcceleratorError, ValueError):
+    """A collective (gather, reduce) got what it cannot combine, e.g. shapes differing across ranks."""
+
+
+class CheckpointError(AcceleratorError, ValueError):
+    """A training state cannot be saved or loaded as asked."""
+
+
+class TrackerError(AcceleratorError, ValueError):
+    """An experiment tracker named in ``log_with`` is unknown or cannot be used."""

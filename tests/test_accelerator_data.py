@@ -204,12 +204,12 @@ def test_split_batches_of_an_iterable_with_an_indivisible_batch_size_is_an_error
         prepare(DataLoader(Numbers(10), batch_size=5), DataLoaderConfiguration(split_batches=True))
 
 
-def test_dispatch_batches_is_refused_with_the_alternative() -> None:
+def test_dispatching_a_loader_without_batch_size_is_an_error() -> None:
     with pytest.raises(
         ShardingError,
-        match=r"dispatch_batches=True.* is not supported: every rank reads its own shard. Pass dispatch_batches=None",
+        match=r"dispatch_batches=True splits the loader's batches between the ranks, but this DataLoader has batch_size=None",
     ):
-        prepare(DataLoader(numbers(), batch_size=2), DataLoaderConfiguration(dispatch_batches=True))
+        prepare(DataLoader(numbers(), batch_size=None), DataLoaderConfiguration(dispatch_batches=True))
 
 
 def test_a_loader_without_batch_size_cannot_be_sharded() -> None:

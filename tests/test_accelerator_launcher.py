@@ -52,9 +52,25 @@ def test_in_launched_ranks_ours_and_accelerates_accelerator_agree_and_training_m
         assert result["ours"] == (2, rank, "bf16", "cpu")
         assert result["hf"] == (2, rank, "bf16", "cpu")
         assert result["linear_dtype"] == [torch.bfloat16]  # the launcher's bf16 really runs
-    reference = common.train_reference(batch_size=8)
+    reference = common.train_reference(batch_size=8, scheduler_steps=2)
     for name, value in reference["state_dict"].items():
         torch.testing.assert_close(results[0]["state_dict"][name], value, atol=1e-6, rtol=1e-5)
+
+
+def fp16_on_cpu() -> str:
+    from notebook_launcher.accelerator import Accelerator
+
+    accelerator = Accelerator(mixed_precision="fp16")
+    model = accelerator.prepare(torch.nn.Linear(4, 4))
+    return str(model(torch.randn(2, 4)).dtype) + " " + accelerator.mixed_precision
+
+
+def test_fp16_asked_for_in_a_cpu_rank_runs() -> None:
+    # torch runs float16 autocast and gradient scaling on CPU; the core does not refuse it.
+    assert notebook_launcher(fp16_on_cpu, num_processes=2, return_all=True) == [
+        "torch.float32 fp16",
+        "torch.float32 fp16",
+    ]
 
 
 def fp8_on_cpu() -> None:

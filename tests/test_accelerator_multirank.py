@@ -56,7 +56,7 @@ def test_each_rank_sees_its_rank_world_size_and_launcher_precision(ranks: dict[s
 def test_two_ranks_with_batch_b_reach_the_weights_of_one_process_with_batch_2b(
     ranks: dict[str, Any], run: str
 ) -> None:
-    reference = common.train_reference(batch_size=8)
+    reference = common.train_reference(batch_size=8, scheduler_steps=2)
     got = ranks["rank0"][run]
     assert_same_weights(got["state_dict"], reference["state_dict"])
     # Clipping saw the same global gradient norm at every step; the schedule advanced alike.
@@ -78,7 +78,7 @@ def test_fsdp_really_shards_the_parameters(ranks: dict[str, Any]) -> None:
 def test_accumulating_two_steps_on_two_ranks_matches_one_process_with_batch_4b(
     ranks: dict[str, Any],
 ) -> None:
-    reference = common.train_reference(batch_size=16)
+    reference = common.train_reference(batch_size=16, scheduler_steps=2)
     got = ranks["rank0"]["ddp_accum"]
     assert_same_weights(got["state_dict"], reference["state_dict"])
     assert len(got["norms"]) == len(reference["norms"])  # optimizer stepped once per 2 batches

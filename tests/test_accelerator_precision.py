@@ -59,14 +59,34 @@ def test_an_unknown_precision_from_the_launcher_names_the_variable(
         Accelerator()
 
 
-def test_fp16_on_cpu_runs_as_torch_runs_it_never_silent_fp32() -> None:
-    # torch runs float16 autocast on CPU; the launcher's rules allow it there too.
-    assert Accelerator(mixed_precision="fp16").mixed_precision == "fp16"
+def test_fp16_on_cpu_runs_the_model_in_float16_with_a_cpu_grad_scaler() -> None:
+    accelerator = Accelerator(mixed_precision="fp16")
+    assert isinstance(accelerator.scaler, torch.amp.GradScaler)
+    assert accelerator.scaler._device == "cpu"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    seen: list[torch.dtype] = []
+    model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    before = model[0].weight.detach().clone()
+    output = model(torch.randn(3, 4))
+    assert seen == [torch.float16]  # inside the model: float16 matmuls
+    assert output.dtype == torch.float32  # back in float32 for the loss
+    accelerator.backward(output.pow(2).mean())
+    scaled = accelerator.scaler.get_scale()
+    optimizer.step()
+    optimizer.zero_grad()
+    assert scaled == 65536.0  # the loss was scaled before backward
+    assert accelerator.optimizer_step_was_skipped or not torch.equal(before, model[0].weight)
 
 
 def test_fp16_from_the_launcher_on_cpu_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
-    assert Accelerator().mixed_precision == "fp16"
+    accelerator = Accelerator()
+    assert accelerator.mixed_precision == "fp16"
+    assert accelerator.state.mixed_precision == "fp16"
+    assert accelerator.scaler is not None
 
 
 def test_fp8_on_cpu_is_an_error_naming_the_device() -> None:

@@ -145,8 +145,17 @@ def test_collectives_in_one_process_return_this_process_values() -> None:
 
 
 def test_reduce_with_an_unknown_reduction_is_an_error() -> None:
-    with pytest.raises(ValueError, match=r"reduction='max' is not supported; use 'sum' or 'mean'"):
-        Accelerator().reduce(torch.tensor([1.0]), reduction="max")
+    with pytest.raises(
+        ValueError,
+        match=r"reduce\(..., reduction='median'\) is not a reduction this core knows; use 'sum', 'mean', 'max' or 'min'",
+    ):
+        Accelerator().reduce(torch.tensor([1.0]), reduction="median")
+
+
+def test_reduce_max_and_min_in_one_process_return_the_values() -> None:
+    accelerator = Accelerator()
+    assert accelerator.reduce(torch.tensor([1.0, 3.0]), reduction="max").tolist() == [1.0, 3.0]
+    assert accelerator.reduce(torch.tensor([2.0]), reduction="min", scale=2.0).tolist() == [4.0]
 
 
 def test_gather_for_metrics_in_one_process_returns_every_prediction() -> None:

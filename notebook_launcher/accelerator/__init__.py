@@ -3,37 +3,54 @@
 from __future__ import annotations
 
 from notebook_launcher.accelerator.accelerator import Accelerator
+from notebook_launcher.accelerator.accelerator_state import AcceleratorState
+from notebook_launcher.accelerator.checkpointing import ProjectConfiguration
 from notebook_launcher.accelerator.data import DataLoaderConfiguration
+from notebook_launcher.accelerator.gradient_state import GradientState
 from notebook_launcher.accelerator.kwargs import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
     FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
     GradScalerKwargs,
 )
 from notebook_launcher.accelerator.state import DistributedType
+from notebook_launcher.accelerator.trackers import GeneralTracker, TensorBoardTracker
 from notebook_launcher.accelerator.utils import set_seed, tqdm
 from notebook_launcher.errors import (
     AcceleratorError,
+    CheckpointError,
+    CollectiveError,
     MissingDependencyError,
     MixedPrecisionError,
     RankEnvironmentError,
     ShardingError,
+    TrackerError,
 )
 from notebook_launcher.tracking import add_metric_sink, remove_metric_sink
 
 __all__ = [
     "Accelerator",
     "AcceleratorError",
+    "AcceleratorState",
     "AutocastKwargs",
+    "CheckpointError",
+    "CollectiveError",
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
     "DistributedType",
     "FullyShardedDataParallelPlugin",
+    "GeneralTracker",
     "GradScalerKwargs",
+    "GradientAccumulationPlugin",
+    "GradientState",
     "MissingDependencyError",
     "MixedPrecisionError",
+    "ProjectConfiguration",
     "RankEnvironmentError",
     "ShardingError",
+    "TensorBoardTracker",
+    "TrackerError",
     "add_metric_sink",
     "remove_metric_sink",
     "set_seed",

@@ -8,10 +8,9 @@ and examples transfer. Built on torch's own parts: DDP or FSDP2 ``fully_shard``,
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-from collections.abc import Iterable, Iterator
-from typing import Any, Callable, TypeVar
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,7 +18,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from notebook_launcher import tracking
-from notebook_launcher.accelerator import operations, precision, processes
+from notebook_launcher.accelerator import operations, precision
+from notebook_launcher.accelerator.accelerator_state import AcceleratorState
+from notebook_launcher.accelerator.checkpointing import Checkpointing, ProjectConfiguration
+from notebook_launcher.accelerator.coordination import Coordination
 from notebook_launcher.accelerator.data import (
     DataLoaderConfiguration,
     DataLoaderShard,
@@ -32,6 +34,7 @@ from notebook_launcher.accelerator.kwargs import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
     FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
     GradScalerKwargs,
     KwargsHandler,
 )
@@ -39,13 +42,14 @@ from notebook_launcher.accelerator.optimizer import AcceleratedOptimizer
 from notebook_launcher.accelerator.scheduler import AcceleratedScheduler
 from notebook_launcher.accelerator.state import (
     DistributedType,
+    choose_distributed_type,
     init_process_group_if_needed,
     read_rank_state,
 )
+from notebook_launcher.accelerator.trackers import GeneralTracker, resolve_log_with, start_trackers
 from notebook_launcher.accelerator.utils import tqdm as _tqdm
 from notebook_launcher.errors import AcceleratorError
 
-F = TypeVar("F", bound=Callable[..., Any])
 _LRScheduler = torch.optim.lr_scheduler.LRScheduler
 
 
@@ -65,7 +69,33 @@ def _index_handlers(handlers: Iterable[KwargsHandler] | None) -> dict[type, Kwar
     return found
 
 
-class Accelerator:
+def _accumulation_plugin(
+    steps: int, plugin: GradientAccumulationPlugin | None
+) -> GradientAccumulationPlugin:
+    if plugin is not None:
+        if steps != 1:
+            raise AcceleratorError(
+                f"Accelerator got both gradient_accumulation_steps={steps!r} and "
+                f"gradient_accumulation_plugin={plugin!r}; pass only one (the plugin's num_steps "
+                "sets the steps)."
+            )
+        steps = 1 if plugin.num_steps is None else plugin.num_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise AcceleratorError(
+            f"gradient_accumulation_steps={steps!r}; it must be an "
+            "integer >= 1 (1 means step the optimizer every batch)."
+        )
+    if plugin is None:
+        return GradientAccumulationPlugin(num_steps=steps)
+    return GradientAccumulationPlugin(
+        num_steps=steps,
+        adjust_scheduler=plugin.adjust_scheduler,
+        sync_with_dataloader=plugin.sync_with_dataloader,
+        sync_each_batch=plugin.sync_each_batch,
+    )
+
+
+class Accelerator(Coordination, Checkpointing):
     """Makes a training loop run on every rank of a launch, in the precision asked for.
 
     With no arguments it takes what the launcher chose (precision, device) from the rank's
@@ -83,30 +113,34 @@ class Accelerator:
         fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
         device_placement: bool = True,
         step_scheduler_with_optimizer: bool = True,
+        gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
+        log_with: str | GeneralTracker | list[str | GeneralTracker] | None = None,
+        project_dir: str | os.PathLike[str] | None = None,
+        project_config: ProjectConfiguration | None = None,
     ) -> None:
-        if (
-            isinstance(gradient_accumulation_steps, bool)
-            or not isinstance(gradient_accumulation_steps, int)
-            or gradient_accumulation_steps < 1
-        ):
-            raise AcceleratorError(
-                f"gradient_accumulation_steps={gradient_accumulation_steps!r}; it must be an "
-                "integer >= 1 (1 means step the optimizer every batch)."
-            )
+        plugin = _accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
         handlers = _index_handlers(kwargs_handlers)
-        self.state = read_rank_state(cpu=cpu)
+        rank_state = read_rank_state(cpu=cpu)
         chosen, source = precision.resolve_mixed_precision(mixed_precision)
         precision.check_precision_supported(
             chosen,
-            device_kind=self.state.device_kind,
-            local_rank=self.state.local_rank,
+            device_kind=rank_state.device_kind,
+            local_rank=rank_state.local_rank,
             source=source,
         )
-        self._created_process_group = init_process_group_if_needed(self.state)
+        self._log_with = resolve_log_with(log_with)
+        self._created_process_group = init_process_group_if_needed(rank_state)
+        self.state = AcceleratorState(
+            rank_state,
+            chosen,
+            choose_distributed_type(
+                rank_state.device_kind, rank_state.world_size, fsdp_plugin is not None
+            ),
+        )
         autocast_kwargs = handlers.get(AutocastKwargs)
         self._precision = precision.PrecisionPlan(
             chosen,
-            self.state.device_kind,
+            rank_state.device_kind,
             autocast_kwargs or AutocastKwargs(),  # type: ignore[arg-type]
         )
         self.scaler = self._precision.make_grad_scaler(handlers.get(GradScalerKwargs))  # type: ignore[arg-type]
@@ -116,13 +150,24 @@ class Accelerator:
         self.dataloader_config = dataloader_config or DataLoaderConfiguration()
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        self.gradient_state = GradientState(num_steps=gradient_accumulation_steps)
+        self.gradient_accumulation_plugin = plugin
+        self.gradient_state = GradientState(
+            num_steps=plugin.num_steps or 1,
+            adjust_scheduler=plugin.adjust_scheduler,
+            sync_with_dataloader=plugin.sync_with_dataloader,
+            sync_each_batch=plugin.sync_each_batch,
+        )
+        self.project_configuration = Checkpointing.make_project_configuration(
+            project_dir, project_config
+        )
         self.fp8_layers: list[str] = []
         self.logged: list[dict[str, Any]] = []
+        self.trackers: list[GeneralTracker] = []
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
         self._dataloaders: list[DataLoaderShard] = []
+        self._custom_objects: list[Any] = []
         self._parameter_swaps: dict[int, torch.nn.Parameter] = {}
 
     # ---- who and where -------------------------------------------------------------
@@ -132,15 +177,15 @@ class Accelerator:
 
     @property
     def process_index(self) -> int:
-        return self.state.rank
+        return self.state.process_index
 
     @property
     def local_process_index(self) -> int:
-        return self.state.local_rank
+        return self.state.local_process_index
 
     @property
     def num_processes(self) -> int:
-        return self.state.world_size
+        return self.state.num_processes
 
     @property
     def is_main_process(self) -> bool:
@@ -156,30 +201,41 @@ class Accelerator:
 
     @property
     def distributed_type(self) -> DistributedType:
-        if self.state.device_kind == "tpu":
-            return DistributedType.XLA
-        if self.state.world_size == 1:
-            return DistributedType.NO
-        if self.fsdp_plugin is not None:
-            return DistributedType.FSDP
-        return (
-            DistributedType.MULTI_GPU
-            if self.state.device_kind == "cuda"
-            else DistributedType.MULTI_CPU
-        )
+        return self.state.distributed_type
 
     @property
     def use_distributed(self) -> bool:
-        return self.state.world_size > 1
+        return self.state.use_distributed
+
+    @property
+    def split_batches(self) -> bool:
+        return self.dataloader_config.split_batches
 
     @property
     def gradient_accumulation_steps(self) -> int:
         return self.gradient_state.num_steps
 
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        self.gradient_state.num_steps = steps
+
+    @property
+    def step(self) -> int:
+        """Micro-steps entered through ``accumulate`` in the current cycle (accelerate's counter)."""
+        return self.gradient_state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.gradient_state.step = value
+
     @property
     def sync_gradients(self) -> bool:
         """True on the steps where gradients are synchronised and the optimizer steps."""
         return self.gradient_state.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.gradient_state.sync_gradients = value
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
@@ -226,7 +282,7 @@ class Accelerator:
             self.fp8_layers = precision.convert_to_fp8(model)
         precision.patch_forward_with_autocast(model, self._precision)
         self._models.append(model)
-        if self.state.world_size == 1 or self.state.device_kind == "tpu":
+        if self.num_processes == 1 or self.state.device_kind == "tpu":
             return model  # XLA reduces gradients in the optimizer step instead
         if self.fsdp_plugin is not None:
             self._parameter_swaps.update(shard_model(model, self.fsdp_plugin))
@@ -259,7 +315,7 @@ class Accelerator:
         place = self.device_placement if device_placement is None else device_placement
         prepared = prepare_data_loader(
             data_loader,
-            state=self.state,
+            state=self.state.rank_state,
             config=self.dataloader_config,
             gradient_state=self.gradient_state,
             device_placement=place,
@@ -275,6 +331,8 @@ class Accelerator:
             self._optimizers,
             gradient_state=self.gradient_state,
             step_with_optimizer=self.step_scheduler_with_optimizer,
+            split_batches=self.dataloader_config.split_batches,
+            num_processes=self.num_processes,
         )
         self._schedulers.append(wrapped)
         return wrapped
@@ -300,20 +358,44 @@ class Accelerator:
         )
         return plan.autocast()
 
+    def _do_sync(self) -> None:
+        state = self.gradient_state
+        if state.sync_with_dataloader and state.end_of_dataloader:
+            state.step = 0  # the next epoch starts a fresh cycle
+            state.sync_gradients = True
+        else:
+            state.step += 1
+            state.sync_gradients = state.step % state.num_steps == 0
+
     @contextlib.contextmanager
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
         """One micro-step: gradients sync (and the optimizer steps) every N-th or the last batch."""
-        state = self.gradient_state
-        state.step += 1
-        if state.end_of_dataloader:
-            state.sync_gradients, state.step = True, 0  # the next epoch starts a fresh cycle
-        else:
-            state.sync_gradients = state.step % state.num_steps == 0
+        self._do_sync()
+        allow_sync = self.gradient_state.sync_gradients or (
+            self.use_distributed and self.gradient_state.sync_each_batch
+        )
         with contextlib.ExitStack() as stack:
-            if not state.sync_gradients:
+            if not allow_sync:
                 for model in models:
                     stack.enter_context(self.no_sync(model))
             yield
+
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(self, model: torch.nn.Module) -> Iterator[None]:
+        """The next backward all-reduces gradients even inside ``no_sync`` (e.g. after several forwards)."""
+        if not isinstance(model, DistributedDataParallel):
+            yield
+            return
+        old_backward, old_forward = model.require_backward_grad_sync, model.require_forward_param_sync
+        model.require_backward_grad_sync = True
+        model.require_forward_param_sync = True
+        # DDP decides in forward whether to reduce; the forward already ran, so tell the reducer now.
+        model.reducer.prepare_for_backward([])
+        try:
+            yield
+        finally:
+            model.require_backward_grad_sync = old_backward
+            model.require_forward_param_sync = old_forward
 
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
@@ -367,22 +449,28 @@ class Accelerator:
         """Gather predictions of a prepared loader's batch; on its last batch, drop the repeats.
 
         even_batches fills the last step with samples from the start of the data set;
-        they are cut off here, so every sample is counted exactly once, in order.
+        they are cut off here, so every sample is counted exactly once, in order. A batch
+        mixing tensors and other values (a dict of tensors and strings) is joined sample-wise.
         """
         tensors_only = _all_tensors(input_data)
-        if use_gather_object or not tensors_only:
-            data: Any = operations.gather_object(input_data)
+        structured = isinstance(input_data, Mapping) or (
+            isinstance(input_data, (list, tuple)) and not operations._is_samples_list(input_data)
+        )
+        if tensors_only and not use_gather_object:
+            data: Any = operations.gather(input_data)
+        elif structured:
+            data = operations.concatenate(operations.gather_object([input_data]))
         else:
-            data = operations.gather(input_data)
+            data = operations.gather_object(input_data)
         loader = self.gradient_state.active_loader
         if loader is None or not loader.end_of_dataloader:
             return data
         real = loader.last_round_real_samples
         if real is None:
             return data
-        if isinstance(data, list) and not tensors_only:
+        if isinstance(data, list) and not tensors_only and not structured:
             return data[:real]
-        return operations.recursively_apply(lambda t: t[:real], data)
+        return operations.slice_samples(data, 0, real)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         return operations.reduce(tensor, reduction=reduction, scale=scale)
@@ -394,62 +482,50 @@ class Accelerator:
             tensor, dim=dim, pad_index=pad_index, pad_first=pad_first
         )
 
-    # ---- coordinating processes ----------------------------------------------------
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the main process only."""
-        if self.is_main_process:
-            print(*args, **kwargs)
-
-    def wait_for_everyone(self) -> None:
-        processes.barrier(self.state.device_kind, self.state.local_rank)
-
-    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
-        return processes.first_then_others(
-            self.is_main_process, self.state.device_kind, self.state.local_rank
-        )
-
-    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
-        return processes.first_then_others(
-            self.is_local_main_process, self.state.device_kind, self.state.local_rank
-        )
-
-    @contextlib.contextmanager
-    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        """This rank's contiguous share of a list, tuple, tensor or dict of them."""
-        yield processes.split_between(inputs, self.process_index, self.num_processes, apply_padding)
-
-    def on_main_process(self, function: F) -> F:
-        """Decorator: the function runs on the main process only (elsewhere it returns None)."""
-
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs) if self.is_main_process else None
-
-        return wrapper  # type: ignore[return-value]
-
-    def on_local_main_process(self, function: F) -> F:
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs) if self.is_local_main_process else None
-
-        return wrapper  # type: ignore[return-value]
-
     def tqdm(self, *args: Any, main_process_only: bool = True, **kwargs: Any) -> Any:
         return _tqdm(*args, main_process_only=main_process_only, **kwargs)
 
-    def log(self, values: dict[str, Any], step: int | None = None) -> None:
-        """Record metrics of this rank; registered sinks (the launcher's live plot) receive them."""
+    def init_trackers(
+        self,
+        project_name: str,
+        config: Mapping[str, Any] | None = None,
+        init_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Start the trackers named in ``log_with`` (on the main process) and record ``config``."""
+        if not self.is_main_process:
+            return
+        self.trackers = start_trackers(
+            self._log_with, project_name, self.logging_dir, init_kwargs or {}
+        )
+        if config is not None:
+            for tracker in self.trackers:
+                tracker.store_init_configuration(config)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The started tracker called ``name`` (its underlying object with unwrap=True)."""
+        for tracker in self.trackers:
+            if tracker.name == name:
+                return tracker.tracker if unwrap else tracker
+        return None
+
+    def log(
+        self,
+        values: dict[str, Any],
+        step: int | None = None,
+        log_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Record metrics of this rank: the launch's live plot gets every rank's, trackers the main one's."""
         self.logged.append({"step": step, **values})
         tracking.emit(self.process_index, step, values)
+        for tracker in self.trackers:
+            tracker.log(values, step=step, **dict((log_kwargs or {}).get(tracker.name, {})))
 
     # ---- models and checkpoints --------------------------------------------------------
     def unwrap_model(
         self, model: torch.nn.Module, keep_fp32_wrapper: bool = True
     ) -> torch.nn.Module:
         """The user's model inside DDP / torch.compile wrappers."""
-        while isinstance(model, DistributedDataParallel):
-            model = model.module
-        model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
+        model = unwrap(model)
         if not keep_fp32_wrapper:
             precision.restore_forward(model)
         return model
@@ -477,11 +553,21 @@ class Accelerator:
             torch.save(obj, f)
 
     def end_training(self) -> None:
-        """Leave the process group this Accelerator created (a group made by others stays)."""
+        """Close the trackers; leave the process group this Accelerator created (one made by others stays)."""
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
         if self._created_process_group and dist.is_initialized():
             self.wait_for_everyone()
             dist.destroy_process_group()
             self._created_process_group = False
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside DDP and torch.compile wrappers."""
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    return getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
 
 
 def _all_tensors(data: Any) -> bool:

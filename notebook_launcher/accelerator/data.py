@@ -8,6 +8,7 @@ only this rank's share (see ``sharding``). The returned loader is still a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 from collections.abc import Iterator
@@ -17,12 +18,14 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
+from notebook_launcher.accelerator.dispatch import BatchDispatcher
 from notebook_launcher.accelerator.gradient_state import GradientState
 from notebook_launcher.accelerator.operations import broadcast, send_to_device
 from notebook_launcher.accelerator.sharding import (
     IterableDatasetShard,
     SeedableRandomSampler,
     ShardedBatchSampler,
+    SkipBatches,
 )
 from notebook_launcher.accelerator.state import RankState
 from notebook_launcher.errors import ShardingError
@@ -35,8 +38,8 @@ class DataLoaderConfiguration:
     split_batches: the loader's batch_size is the global batch, cut into one part per
         rank (it must divide by the number of ranks). Otherwise every rank takes whole
         batches of batch_size, and the global batch is batch_size * num_processes.
-    dispatch_batches: accepted for accelerate compatibility; only None/False (every rank
-        reads its own shard) is supported.
+    dispatch_batches: rank 0 reads every batch and sends each rank its part (for data
+        only one process should read); None/False: every rank reads its own shard.
     even_batches: fill the last step with samples from the start so every rank takes the
         same number of steps; gather_for_metrics drops those repeats again.
     use_seedable_sampler: shuffle with a sampler seeded by (data_seed, epoch), reproducible
@@ -64,7 +67,7 @@ class DataLoaderShard(DataLoader):
         device: torch.device | None,
         non_blocking: bool,
         gradient_state: GradientState,
-        shard: ShardedBatchSampler | IterableDatasetShard | None,
+        shard: ShardedBatchSampler | IterableDatasetShard | BatchDispatcher | None,
         total_batch_size: int | None,
         **loader_kwargs: Any,
     ) -> None:
@@ -75,7 +78,11 @@ class DataLoaderShard(DataLoader):
         self.shard = shard
         self.total_batch_size = total_batch_size
         self.iteration = 0
+        self.batches_yielded = 0  # in the current pass
         self._end_of_dataloader = False
+        self._origin: DataLoaderShard | None = None  # set on a skip_first_batches view
+        self._skip_after_collate = 0
+        self._resuming = False
 
     @property
     def end_of_dataloader(self) -> bool:
@@ -86,9 +93,17 @@ class DataLoaderShard(DataLoader):
         """Of the final step's global batch, the samples that are not even_batches repeats."""
         return self.shard.last_round_real_samples if self.shard is not None else None
 
+    @property
+    def remainder(self) -> int:
+        real = self.last_round_real_samples
+        return -1 if real is None else real
+
+    def _owner(self) -> DataLoaderShard:
+        return self._origin if self._origin is not None else self
+
     def set_epoch(self, epoch: int) -> None:
         """Choose the shuffle of a seedable sampler or set_epoch-aware data set (as DistributedSampler does)."""
-        self.iteration = epoch
+        self._owner().iteration = epoch
         sampler = self._inner_sampler()
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
@@ -97,7 +112,7 @@ class DataLoaderShard(DataLoader):
 
     def _inner_sampler(self) -> Any:
         batch_sampler = self.batch_sampler
-        if isinstance(batch_sampler, ShardedBatchSampler):
+        while isinstance(batch_sampler, (ShardedBatchSampler, SkipBatches)):
             batch_sampler = batch_sampler.batch_sampler
         return getattr(batch_sampler, "sampler", None)
 
@@ -106,25 +121,114 @@ class DataLoaderShard(DataLoader):
             return batch
         return send_to_device(batch, self.device, non_blocking=self.non_blocking)
 
+    def __len__(self) -> int:
+        if isinstance(self.shard, BatchDispatcher):
+            return max(0, self.shard.steps(super().__len__()) - self._skip_after_collate)
+        return max(0, super().__len__() - self._skip_after_collate)
+
+    def _source(self) -> Iterator[Any]:
+        if isinstance(self.shard, BatchDispatcher):
+            reader = super().__iter__() if self.shard.rank == 0 else None
+            batches: Iterator[Any] = self.shard.batches(reader)
+        else:
+            batches = super().__iter__()
+        for i, batch in enumerate(batches):
+            if i >= self._skip_after_collate:
+                yield batch
+
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        owner = self._owner()
         if isinstance(self._inner_sampler(), SeedableRandomSampler):
-            self.set_epoch(self.iteration)
+            self.set_epoch(owner.iteration)
         self._end_of_dataloader = False
+        self.batches_yielded = 0
         self.gradient_state.begin_loader(self)
+        # A resumed pass must leave torch's RNG as the interrupted run left it: the sampler
+        # replays the saved shuffle instead of drawing, and the draw DataLoader makes for
+        # worker seeds is undone.
+        rng = torch.get_rng_state() if owner._resuming else None
+        owner._resuming = False
         try:
             # One batch of look-ahead tells which batch is the last, before it is used,
             # so accumulation syncs on it and gather_for_metrics trims it.
-            batches = super().__iter__()
+            batches = self._source()
             current = next(batches, _DONE)
+            if rng is not None:
+                torch.set_rng_state(rng)
             while current is not _DONE:
                 following = next(batches, _DONE)
                 if following is _DONE:
                     self._end_of_dataloader = True
+                self.batches_yielded += 1
                 yield self._move(current)
                 current = following
-            self.iteration += 1
+            owner.iteration += 1
         finally:
             self.gradient_state.end_loader(self)
+
+    # ---- resuming ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is: its epoch, the current epoch's shuffle, batches taken in it."""
+        owner = self._owner()
+        sampler = self._inner_sampler()
+        shard_state = self.shard.state_dict() if isinstance(self.shard, ShardedBatchSampler) else {}
+        return {
+            "iteration": owner.iteration,
+            "batches_yielded": self.batches_yielded,
+            "shard": shard_state,
+            "seed": getattr(sampler, "seed", None) if isinstance(sampler, SeedableRandomSampler) else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what state_dict saved: the next pass repeats the saved epoch's shuffle."""
+        self.iteration = int(state.get("iteration", 0))
+        self.batches_yielded = int(state.get("batches_yielded", 0))
+        if isinstance(self.shard, ShardedBatchSampler) and state.get("shard"):
+            self.shard.load_state_dict(state["shard"])
+        sampler = self._inner_sampler()
+        if isinstance(sampler, SeedableRandomSampler) and state.get("seed") is not None:
+            sampler.seed = int(state["seed"])
+        self._resuming = True
+
+    def skipping(self, num_batches: int) -> DataLoaderShard:
+        """A view of this loader that leaves out the first ``num_batches`` of each pass."""
+        if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
+            raise ShardingError(
+                f"skip_first_batches(..., num_batches={num_batches!r}); it must be an integer >= 0."
+            )
+        view = copy.copy(self)
+        view._origin = self._owner()
+        view._iterator = None  # never share a persistent-workers iterator with the original
+        if isinstance(self.shard, ShardedBatchSampler):
+            # Skipped at the index level: the skipped samples are never loaded.
+            view.__dict__["batch_sampler"] = SkipBatches(self.shard, num_batches)
+        else:
+            view._skip_after_collate = num_batches
+        return view
+
+
+def skip_plain_loader(loader: DataLoader, num_batches: int) -> Any:
+    """skip_first_batches for a DataLoader that was not prepared."""
+    if loader.batch_sampler is not None and not isinstance(loader.dataset, IterableDataset):
+        return DataLoader(
+            loader.dataset,
+            batch_sampler=SkipBatches(loader.batch_sampler, num_batches),
+            **_carried_settings(loader),
+        )
+    return _SkipIterable(loader, num_batches)
+
+
+class _SkipIterable:
+    def __init__(self, loader: Any, skip: int) -> None:
+        self.loader, self.skip = loader, skip
+
+    def __iter__(self) -> Iterator[Any]:
+        for i, batch in enumerate(self.loader):
+            if i >= self.skip:
+                yield batch
+
+    def __len__(self) -> int:
+        return max(0, len(self.loader) - self.skip)
 
 
 _DONE = object()
@@ -167,12 +271,6 @@ def prepare_data_loader(
     gradient_state: GradientState,
     device_placement: bool,
 ) -> DataLoaderShard:
-    if config.dispatch_batches:
-        raise ShardingError(
-            "DataLoaderConfiguration(dispatch_batches=True) (rank 0 reads every batch and sends "
-            "each rank its part) is not supported: every rank reads its own shard. Pass "
-            "dispatch_batches=None."
-        )
     device = state.device if device_placement else None
     common: dict[str, Any] = {
         "device": device,
@@ -181,6 +279,8 @@ def prepare_data_loader(
         **_carried_settings(loader),
     }
     world_size, rank = state.world_size, state.rank
+    if config.dispatch_batches and world_size > 1:
+        return _prepare_dispatched(loader, state, config, common)
     if isinstance(loader.dataset, IterableDataset):
         return _prepare_iterable(loader, state, config, common)
 
@@ -210,8 +310,9 @@ def prepare_data_loader(
 
     shard: ShardedBatchSampler | None = None
     total_batch_size = batch_size
-    if world_size > 1 and not isinstance(sampler, DistributedSampler):
-        if config.split_batches and (batch_size is None or batch_size % world_size):
+    # One process is wrapped too: the wrapper records each epoch's shuffle for resuming.
+    if not isinstance(sampler, DistributedSampler):
+        if world_size > 1 and config.split_batches and (batch_size is None or batch_size % world_size):
             raise ShardingError(
                 f"split_batches=True cuts each batch of the loader into {world_size} parts "
                 f"(one per rank), but its batch_size is {batch_size}; use a batch_size "
@@ -221,8 +322,8 @@ def prepare_data_loader(
             batch_sampler,
             rank=rank,
             world_size=world_size,
-            split_batches=config.split_batches,
-            even_batches=config.even_batches,
+            split_batches=config.split_batches and world_size > 1,
+            even_batches=config.even_batches and world_size > 1,
             device=state.device,
         )
         batch_sampler = shard
@@ -234,6 +335,44 @@ def prepare_data_loader(
         batch_sampler=batch_sampler,
         shard=shard,
         total_batch_size=total_batch_size,
+        **common,
+    )
+
+
+def _prepare_dispatched(
+    loader: DataLoader,
+    state: RankState,
+    config: DataLoaderConfiguration,
+    common: dict[str, Any],
+) -> DataLoaderShard:
+    batch_size = loader.batch_size
+    if batch_size is None:
+        raise ShardingError(
+            "dispatch_batches=True splits the loader's batches between the ranks, but this "
+            "DataLoader has batch_size=None (no batching); give it a batch_size."
+        )
+    if config.split_batches and batch_size % state.world_size:
+        raise ShardingError(
+            f"split_batches=True cuts each batch of the loader into {state.world_size} parts "
+            f"(one per rank), but its batch_size is {batch_size}; use a batch_size divisible "
+            f"by {state.world_size}, or split_batches=False."
+        )
+    dispatcher = BatchDispatcher(
+        rank=state.rank,
+        world_size=state.world_size,
+        split_batches=config.split_batches,
+        even_batches=config.even_batches,
+        drop_last=loader.drop_last,
+    )
+    if isinstance(loader.dataset, IterableDataset):
+        kwargs: dict[str, Any] = {"batch_size": batch_size, "drop_last": loader.drop_last}
+    else:
+        kwargs = {"batch_sampler": loader.batch_sampler}
+    return DataLoaderShard(
+        loader.dataset,
+        shard=dispatcher,
+        total_batch_size=batch_size if config.split_batches else batch_size * state.world_size,
+        **kwargs,
         **common,
     )
 

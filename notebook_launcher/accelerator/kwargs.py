@@ -58,6 +58,24 @@ class GradScalerKwargs(KwargsHandler):
 
 
 @dataclasses.dataclass
+class GradientAccumulationPlugin(KwargsHandler):
+    """How gradients accumulate: ``Accelerator(gradient_accumulation_plugin=...)``, as in accelerate.
+
+    num_steps: micro-batches per optimizer step.
+    adjust_scheduler: count the skipped micro-steps in a prepared LR scheduler's step
+        counter (accelerate's behaviour; the learning rate itself changes on real steps only).
+    sync_with_dataloader: the last batch of a prepared loader always ends a cycle.
+    sync_each_batch: all-reduce gradients on every micro-batch (less memory, more traffic);
+        the optimizer still steps every num_steps.
+    """
+
+    num_steps: int | None = None
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+
+@dataclasses.dataclass
 class FullyShardedDataParallelPlugin:
     """Shard the model with FSDP2 (``torch.distributed.fsdp.fully_shard``) instead of DDP.
 

@@ -13,6 +13,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from notebook_launcher.errors import CollectiveError
+
 # torch 2.13 renamed all_gather_into_tensor; the old name warns there and is the only one before.
 _all_gather_single: Callable[..., Any] = (
     getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -62,12 +64,43 @@ def _gather_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def gather(data: Any) -> Any:
     """Every rank's tensors concatenated along the first dimension, in rank order.
 
-    All ranks must pass tensors of the same shape; ``pad_across_processes`` first when
-    they differ.
+    All ranks must pass tensors of the same shapes (checked first: a mismatch raises
+    CollectiveError on every rank instead of aborting the ranks inside the
+    backend); ``pad_across_processes`` first when they differ.
     """
     if not is_distributed():
         return recursively_apply(lambda t: t.unsqueeze(0) if t.ndim == 0 else t, data)
+    check_same_shapes(data, "gather")
     return recursively_apply(_gather_tensor, data)
+
+
+def _shapes(data: Any) -> list[tuple[str, tuple[int, ...]]]:
+    found: list[tuple[str, tuple[int, ...]]] = []
+
+    def visit(tensor: torch.Tensor) -> torch.Tensor:
+        found.append((str(tensor.dtype), tuple(tensor.shape)))
+        return tensor
+
+    recursively_apply(visit, data)
+    return found
+
+
+def check_same_shapes(data: Any, operation: str) -> None:
+    """Raise CollectiveError (on every rank alike) when ranks' tensors differ in shape."""
+    mine = _shapes(data)
+    everyone: list[Any] = [None] * world_size()
+    dist.all_gather_object(everyone, mine)
+    if all(shapes == everyone[0] for shapes in everyone):
+        return
+    described = "; ".join(
+        f"rank {r}: " + (", ".join(str(list(shape)) for _, shape in shapes) or "no tensors")
+        for r, shapes in enumerate(everyone)
+    )
+    raise CollectiveError(
+        f"{operation} needs tensors of the same shape and dtype on every rank, but the ranks "
+        f"passed different ones ({described}). Make them equal first, e.g. "
+        f"accelerator.pad_across_processes(tensor, dim=0) before accelerator.{operation}(...)."
+    )
 
 
 def gather_object(obj: Any) -> list[Any]:
@@ -81,15 +114,26 @@ def gather_object(obj: Any) -> list[Any]:
     return gathered
 
 
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
 def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-    """Every rank's tensors summed (or averaged with reduction="mean") into each rank."""
-    if reduction not in ("sum", "mean"):
-        raise ValueError(f"reduction={reduction!r} is not supported; use 'sum' or 'mean'.")
+    """Every rank's tensors combined elementwise into each rank: "sum", "mean", "max" or "min"."""
+    if reduction not in _REDUCE_OPS:
+        raise CollectiveError(
+            f"reduce(..., reduction={reduction!r}) is not a reduction this core knows; "
+            "use 'sum', 'mean', 'max' or 'min'."
+        )
 
     def reduce_one(tensor: torch.Tensor) -> torch.Tensor:
         result = tensor.clone()
         if is_distributed():
-            dist.all_reduce(result, op=dist.ReduceOp.SUM)
+            dist.all_reduce(result, op=_REDUCE_OPS[reduction])
             if reduction == "mean":
                 result /= world_size()
         if scale != 1.0:
@@ -138,3 +182,56 @@ def pad_across_processes(
         return padded
 
     return recursively_apply(pad_one, data)
+
+
+# ---- batches as collections of samples (for gather_for_metrics and dispatching) -----------
+def _is_samples_list(data: Any) -> bool:
+    """A list/tuple holding one plain value per sample (strings, numbers), as collate makes."""
+    return isinstance(data, (list, tuple)) and not any(
+        isinstance(d, (torch.Tensor, Mapping, list, tuple)) for d in data
+    )
+
+
+def concatenate(parts: list[Any]) -> Any:
+    """Batches (same structure) joined sample-wise: tensors along dim 0, sample lists end to end."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat([p.unsqueeze(0) if p.ndim == 0 else p for p in parts])
+    if _is_samples_list(first):
+        return type(first)(item for p in parts for item in p)
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(concatenate([p[i] for p in parts]) for i in range(len(first))))
+    if isinstance(first, (list, tuple)):
+        return type(first)(concatenate([p[i] for p in parts]) for i in range(len(first)))
+    if isinstance(first, Mapping):
+        return type(first)({k: concatenate([p[k] for p in parts]) for k in first})  # type: ignore[call-arg]
+    return list(parts)
+
+
+def slice_samples(data: Any, start: int, end: int) -> Any:
+    """Samples ``start:end`` of a batch, whatever its structure."""
+    if isinstance(data, torch.Tensor) or _is_samples_list(data):
+        return data[start:end]
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(slice_samples(d, start, end) for d in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(slice_samples(d, start, end) for d in data)
+    if isinstance(data, Mapping):
+        return type(data)({k: slice_samples(v, start, end) for k, v in data.items()})  # type: ignore[call-arg]
+    return data
+
+
+def sample_count(data: Any) -> int:
+    """How many samples a batch holds (its first tensor's or sample list's length)."""
+    if isinstance(data, torch.Tensor):
+        return int(data.shape[0]) if data.ndim else 1
+    if _is_samples_list(data):
+        return len(data)
+    if isinstance(data, Mapping):
+        data = list(data.values())
+    if isinstance(data, (list, tuple)):
+        for d in data:
+            n = sample_count(d)
+            if n >= 0:
+                return n
+    return -1

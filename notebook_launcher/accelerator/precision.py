@@ -1,7 +1,7 @@
 """Mixed precision: which precision runs, whether it can, and the torch parts that do it.
 
 "bf16" is ``torch.autocast`` to bfloat16 (CPU, CUDA, XLA); "fp16" is autocast to float16
-plus a ``torch.amp.GradScaler`` (CUDA only); "fp8" converts eligible Linear layers with
+plus a ``torch.amp.GradScaler`` (CUDA, CPU, MPS); "fp8" converts eligible Linear layers with
 torchao's float8 training and runs the remaining ops under bf16 autocast (Hopper/Ada
 GPUs). What was asked is what runs: an impossible choice raises, it never degrades to
 fp32 silently.
@@ -27,9 +27,10 @@ from notebook_launcher.rank_env import MIXED_PRECISION
 PRECISIONS = hardware.PRECISIONS
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 _AUTOCAST_DEVICE_TYPES = {"cuda": "cuda", "cpu": "cpu", "tpu": "xla", "mps": "mps"}
+# torch scales fp16 gradients on these devices (torch.amp.GradScaler(device)).
+_GRAD_SCALER_DEVICES = ("cuda", "cpu", "mps")
 # torchao's float8 matmuls need both Linear dimensions to be multiples of 16.
 FP8_DIM_MULTIPLE = 16
-_ORIGINAL_FORWARD = "_notebook_launcher_original_forward"
 
 
 def resolve_mixed_precision(
@@ -113,7 +114,7 @@ class PrecisionPlan:
 
     @property
     def uses_grad_scaler(self) -> bool:
-        return self.mixed_precision == "fp16" and self.device_kind == "cuda"
+        return self.mixed_precision == "fp16" and self.device_kind in _GRAD_SCALER_DEVICES
 
     @property
     def uses_fp8(self) -> bool:
@@ -131,7 +132,7 @@ class PrecisionPlan:
     def make_grad_scaler(self, kwargs: GradScalerKwargs | None) -> torch.amp.GradScaler | None:
         if not self.uses_grad_scaler:
             return None
-        return torch.amp.GradScaler("cuda", **(kwargs.to_kwargs() if kwargs else {}))
+        return torch.amp.GradScaler(self.device_kind, **(kwargs.to_kwargs() if kwargs else {}))
 
 
 def outputs_to_fp32(value: Any) -> Any:
@@ -151,27 +152,61 @@ def outputs_to_fp32(value: Any) -> Any:
     return value
 
 
-def patch_forward_with_autocast(model: torch.nn.Module, plan: PrecisionPlan) -> None:
-    """Run ``model``'s forward under the plan's autocast, so a prepared model needs no ``with``."""
-    if not plan.uses_autocast or hasattr(model, _ORIGINAL_FORWARD):
-        return
-    original = model.forward
+class AutocastForward:
+    """A prepared model's ``forward``: the model's own forward under the plan's autocast.
 
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        with plan.autocast():
-            output = original(*args, **kwargs)
+    A plain object holding the module, not a closure: ``copy.deepcopy`` of the model then
+    gives a copy whose forward runs the COPY's weights (the memo maps ``module`` to the
+    copy), and ``torch.save``/pickle of the model works (the class and the forward's
+    function are found by name).
+    """
+
+    def __init__(self, module: torch.nn.Module, function: Callable[..., Any], plan: PrecisionPlan) -> None:
+        self.module = module
+        self.function = function  # the unbound forward of the module's class
+        self.plan = plan
+        functools.update_wrapper(self, function)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.plan.autocast():
+            output = self.function(self.module, *args, **kwargs)
         return outputs_to_fp32(output)
 
-    setattr(model, _ORIGINAL_FORWARD, original)
-    model.forward = forward
+    def __getstate__(self) -> dict[str, Any]:
+        # update_wrapper copied the function's __dict__ and __wrapped__; the rest rebuilds them.
+        return {"module": self.module, "function": self.function, "plan": self.plan}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["module"], state["function"], state["plan"])  # type: ignore[misc]
+
+
+def patch_forward_with_autocast(model: torch.nn.Module, plan: PrecisionPlan) -> None:
+    """Run ``model``'s forward under the plan's autocast, so a prepared model needs no ``with``."""
+    if not plan.uses_autocast or isinstance(model.__dict__.get("forward"), AutocastForward):
+        return
+    original = model.forward
+    if getattr(original, "__self__", None) is model:
+        function = original.__func__  # type: ignore[attr-defined]
+    else:
+        # An instance-level forward someone set before: call it without passing the module.
+        function = _CallIgnoringModule(original)
+    model.forward = AutocastForward(model, function, plan)
+
+
+class _CallIgnoringModule:
+    def __init__(self, forward: Callable[..., Any]) -> None:
+        self.forward = forward
+
+    def __call__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
 
 
 def restore_forward(model: torch.nn.Module) -> None:
-    original = model.__dict__.pop(_ORIGINAL_FORWARD, None)
-    if original is not None:
-        # The patch lives in the instance dict; removing it uncovers the class's forward.
-        model.__dict__.pop("forward", None)
+    patched = model.__dict__.get("forward")
+    if isinstance(patched, AutocastForward):
+        del model.__dict__["forward"]
+        if isinstance(patched.function, _CallIgnoringModule):
+            model.forward = patched.function.forward
 
 
 def convert_to_fp8(model: torch.nn.Module) -> list[str]:

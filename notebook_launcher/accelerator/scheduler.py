@@ -1,9 +1,10 @@
-"""The prepared LR scheduler: steps once per real optimizer step.
+"""The prepared LR scheduler: steps with the optimizer, the way accelerate's does.
 
-Unlike accelerate (which steps a scheduler num_processes times per call unless
-split_batches), this steps once per optimizer step, as the same loop does in one
-process with the global batch: N ranks with batch B and one process with batch N*B
-then follow the same learning-rate curve, which the parity guarantee needs.
+As in accelerate, one ``scheduler.step()`` after a real optimizer step advances the
+schedule ``num_processes`` times (once with ``split_batches=True``): a schedule written
+for one process reading batches of B ends when the data does, even though each of the N
+ranks now takes 1/N of the steps. While gradients accumulate, or after an fp16 step that
+overflowed, the schedule does not advance.
 """
 
 from __future__ import annotations
@@ -22,19 +23,31 @@ class AcceleratedScheduler:
         *,
         gradient_state: GradientState,
         step_with_optimizer: bool = True,
+        split_batches: bool = False,
+        num_processes: int = 1,
     ) -> None:
         self.scheduler = scheduler
         self.optimizers = optimizers
         self.gradient_state = gradient_state
         self.step_with_optimizer = step_with_optimizer
+        self.split_batches = split_batches
+        self.num_processes = num_processes
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self.step_with_optimizer:
-            if not self.gradient_state.sync_gradients:
-                return  # accumulating: the optimizer did not step either
-            if any(opt.step_was_skipped for opt in self.optimizers):
-                return  # fp16 overflow: the weights did not change, neither does the schedule
-        self.scheduler.step(*args, **kwargs)
+        if not self.step_with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+            return
+        if not self.gradient_state.sync_gradients:
+            if self.gradient_state.adjust_scheduler and hasattr(self.scheduler, "_step_count"):
+                self.scheduler._step_count += 1  # torch's "step before optimizer.step" bookkeeping
+            return  # accumulating: the optimizer did not step either
+        if any(opt.step_was_skipped for opt in self.optimizers):
+            return  # fp16 overflow: the weights did not change, neither does the schedule
+        for _ in range(1 if self.split_batches else self.num_processes):
+            total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR refuses to pass its end
+            if total is not None and self.scheduler._step_count > total:
+                break
+            self.scheduler.step(*args, **kwargs)
 
     def get_last_lr(self) -> list[float]:
         return list(self.scheduler.get_last_lr())

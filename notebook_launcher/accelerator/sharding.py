@@ -89,6 +89,21 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.batch_size: int | None = getattr(batch_sampler, "batch_size", None)
         self.drop_last: bool = bool(getattr(batch_sampler, "drop_last", False))
         self.last_round_real_samples: int | None = None
+        # What fixed the current epoch's shuffle, so a resumed run replays the same order.
+        self.epoch_start: tuple[str, Any] | None = None
+        self._replay: tuple[str, Any] | None = None
+
+    @property
+    def sampler(self) -> Any:
+        """The inner batch sampler's sampler (code reading ``loader.batch_sampler.sampler`` keeps working)."""
+        return getattr(self.batch_sampler, "sampler", None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch_start": self.epoch_start}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The next pass replays the saved epoch's shuffle instead of drawing a new one."""
+        self._replay = state.get("epoch_start")
 
     @property
     def round_size(self) -> int | None:
@@ -110,6 +125,10 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         self.last_round_real_samples = None
         batches = self._synchronised_batches()
+        if self.world_size == 1:
+            # Nothing to split or pad: this wrapper only records the epoch's shuffle.
+            yield from batches
+            return
         round_size = self.round_size
         start_of_epoch: list[int] = []
         pending: list[list[int]] = []
@@ -162,19 +181,27 @@ class ShardedBatchSampler(Sampler[list[int]]):
         0's generator state.
         """
         sampler = getattr(self.batch_sampler, "sampler", None)
-        if (
-            not isinstance(sampler, RandomSampler)
-            or isinstance(sampler, SeedableRandomSampler)
-            or not (dist.is_available() and dist.is_initialized())
-        ):
+        replay, self._replay = self._replay, None
+        if not isinstance(sampler, RandomSampler) or isinstance(sampler, SeedableRandomSampler):
+            self.epoch_start = None
             return iter(self.batch_sampler)
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if sampler.generator is not None:
-            state = sampler.generator.get_state()
-            sampler.generator.set_state(self._broadcast(state))
+            if replay is not None:
+                sampler.generator.set_state(replay[1])
+            elif distributed:
+                sampler.generator.set_state(self._broadcast(sampler.generator.get_state()))
+            self.epoch_start = ("generator", sampler.generator.get_state())
             return iter(self.batch_sampler)
-        seed = torch.empty((), dtype=torch.int64).random_()
+        if replay is not None:
+            seed = int(replay[1])
+        else:
+            # Drawn exactly as torch's RandomSampler draws it, so one process shuffles as without us.
+            drawn = torch.empty((), dtype=torch.int64).random_()
+            seed = int(self._broadcast(drawn.reshape(1))[0]) if distributed else int(drawn)
+        self.epoch_start = ("seed", seed)
         generator = torch.Generator()
-        generator.manual_seed(int(self._broadcast(seed.reshape(1))[0]))
+        generator.manual_seed(seed)
         return self._with_generator(sampler, generator)
 
     def _with_generator(self, sampler: RandomSampler, generator: torch.Generator) -> Iterator[Any]:
@@ -249,6 +276,22 @@ class IterableDatasetShard(IterableDataset):
             yield from buffer[self.rank * self.per_rank : (self.rank + 1) * self.per_rank]
         else:
             yield from _chunks(buffer, self.world_size)[self.rank]
+
+
+class SkipBatches(Sampler[list[int]]):
+    """A batch sampler without the first ``skip`` batches of each pass (for resuming mid-epoch)."""
+
+    def __init__(self, batch_sampler: Any, skip: int) -> None:
+        self.batch_sampler = batch_sampler
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for i, batch in enumerate(self.batch_sampler):
+            if i >= self.skip:
+                yield batch
+
+    def __len__(self) -> int:
+        return max(0, len(self.batch_sampler) - self.skip)
 
 
 def make_batch_sampler(sampler: Sampler[int], batch_size: int, drop_last: bool) -> BatchSampler:

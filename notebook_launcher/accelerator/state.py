@@ -29,13 +29,38 @@ _TRUE = ("1", "true", "yes", "on")
 
 
 class DistributedType(str, enum.Enum):
-    """How the ranks cooperate; the values are accelerate's, so string comparisons transfer."""
+    """How the ranks cooperate; the values are accelerate's, so string comparisons transfer.
+
+    This core runs NO, MULTI_CPU, MULTI_GPU, FSDP and XLA; accelerate's other members exist
+    so that code comparing against them (``state.distributed_type in (MULTI_NPU, ...)``)
+    runs unchanged.
+    """
 
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"
     MULTI_GPU = "MULTI_GPU"
     FSDP = "FSDP"
     XLA = "XLA"
+    DEEPSPEED = "DEEPSPEED"
+    MEGATRON_LM = "MEGATRON_LM"
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_XPU = "MULTI_XPU"
+    MULTI_HPU = "MULTI_HPU"
+    MULTI_NEURON = "MULTI_NEURON"
+
+
+def choose_distributed_type(device_kind: str, world_size: int, fully_sharded: bool) -> DistributedType:
+    """The one place that maps where ranks run to how they cooperate (a new device kind adds a line)."""
+    if device_kind == "tpu":
+        return DistributedType.XLA
+    if world_size == 1:
+        return DistributedType.NO
+    if fully_sharded:
+        return DistributedType.FSDP
+    return DistributedType.MULTI_GPU if device_kind == "cuda" else DistributedType.MULTI_CPU
 
 
 @dataclasses.dataclass(frozen=True)

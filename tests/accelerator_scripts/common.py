@@ -49,8 +49,13 @@ def probe() -> torch.Tensor:
     return torch.linspace(-2, 2, 5 * FEATURES).reshape(5, FEATURES)
 
 
-def train_reference(batch_size: int, seed: int = 0) -> dict[str, Any]:
-    """One process, raw PyTorch: the result N ranks with batch_size/N each must reach."""
+def train_reference(batch_size: int, seed: int = 0, scheduler_steps: int = 1) -> dict[str, Any]:
+    """One process, raw PyTorch: the result N ranks with batch_size/N each must reach.
+
+    scheduler_steps: LR scheduler steps per optimizer step. A prepared scheduler on N
+    ranks advances N times per step (accelerate's convention: the schedule is written for
+    one process reading the per-rank batch), so the N-rank reference passes N.
+    """
     set_all_seeds(seed)
     model = make_model()
     optimizer, scheduler = make_optimizer(model)
@@ -62,7 +67,8 @@ def train_reference(batch_size: int, seed: int = 0) -> dict[str, Any]:
             loss.backward()
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
             optimizer.step()
-            scheduler.step()
+            for _ in range(scheduler_steps):
+                scheduler.step()
             optimizer.zero_grad()
     return {"state_dict": model.state_dict(), "norms": norms, "lr": scheduler.get_last_lr()}
 
