@@ -235,3 +235,31 @@ def describe_launch(defaults: LaunchDefaults, report: HardwareReport) -> str:
     method = defaults.start_method or "auto"
     method_words = "start method chosen automatically" if method == "auto" else method
     return f"{ranks}, {precision_words}, {method_words}"
+
+
+# ---- this kernel's own defaults (set by configure()) ----------------------------------
+# Between explicit arguments and the saved file: what configure() picks applies to every
+# later launch in this kernel only, until the kernel restarts.
+_kernel_layer: LaunchDefaults | None = None
+
+
+def set_kernel_defaults(defaults: LaunchDefaults | None) -> None:
+    """Set (or with None clear) the defaults of this kernel, above the saved file's."""
+    global _kernel_layer
+    _kernel_layer = defaults
+
+
+def kernel_defaults() -> LaunchDefaults | None:
+    return _kernel_layer
+
+
+def effective_defaults() -> LaunchDefaults:
+    """What a launch uses for arguments left out: this kernel's choice, else the file's."""
+    saved = load_defaults()
+    layer = _kernel_layer or LaunchDefaults()
+    return LaunchDefaults(
+        **{
+            key: getattr(layer, key) if getattr(layer, key) is not None else getattr(saved, key)
+            for key in _KEYS
+        }
+    )

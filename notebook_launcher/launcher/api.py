@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from notebook_launcher.defaults import load_defaults
+from notebook_launcher.defaults import effective_defaults
 from notebook_launcher.hardware import detect as detect_hardware  # `hardware` is an argument
 from notebook_launcher.launcher import options
 from notebook_launcher.launcher.events import LaunchObserver
 from notebook_launcher.launcher.printer import TextPrinter
 from notebook_launcher.launcher.run import execute
 from notebook_launcher.launcher.start_method import KernelState
+from notebook_launcher.widgets import dashboard_observer
 
 
 def notebook_launcher(
@@ -37,6 +38,7 @@ def notebook_launcher(
     return_all: bool = False,
     output: str = "all",
     observers: list[LaunchObserver] | None = None,
+    dashboard: bool | str = "auto",
 ) -> Any:
     """Run ``function(*args, **kwargs)`` on ``num_processes`` ranks of this machine.
 
@@ -60,7 +62,9 @@ def notebook_launcher(
             "forkserver" or "spawn".
         timeout: seconds after which a still-running launch is stopped with an error.
         output: "all" (every rank), "main" (rank 0 only) or "none".
-        observers: extra receivers of launch events (a dashboard).
+        observers: extra receivers of launch events.
+        dashboard: "auto" (a live dashboard of widgets in a notebook, text elsewhere),
+            True (the same, and an error where ipywidgets is missing) or False (none).
     """
     options.check_not_inside_rank()
     options.check_function(function)
@@ -68,7 +72,7 @@ def notebook_launcher(
     options.check_scale_out_unused(
         node_rank, num_nodes, rdzv_backend, rdzv_endpoint, rdzv_conf, rdzv_id, max_restarts
     )
-    saved = load_defaults()  # at call time: a default saved in the sidebar applies at once
+    saved = effective_defaults()  # at call time: a default saved in the sidebar applies at once
     with options.blame_saved_defaults(
         num_processes is None and saved.num_processes is not None,
         mixed_precision is None and saved.mixed_precision is not None,
@@ -101,7 +105,9 @@ def notebook_launcher(
         return_all=bool(return_all),
     )
     printer = TextPrinter(plan.output, plan.prefix_template)
-    values = execute(plan, function, call_args, call_kwargs, [printer, *(observers or [])])
+    board = dashboard_observer(dashboard)
+    extra = [board] if board is not None else []
+    values = execute(plan, function, call_args, call_kwargs, [printer, *extra, *(observers or [])])
     return values if plan.return_all else values[0]
 
 

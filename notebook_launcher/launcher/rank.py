@@ -20,8 +20,8 @@ from typing import Any
 
 import cloudpickle
 
-from notebook_launcher.launcher.channel import Failure, Metric, RankMessage, Result
-from notebook_launcher.tracking import add_metric_sink
+from notebook_launcher.launcher.channel import Failure, Metric, Progress, RankMessage, Result
+from notebook_launcher.tracking import add_metric_sink, add_progress_sink
 
 _channel: Connection | None = None
 
@@ -58,6 +58,7 @@ def run_rank(
     global _channel
     _channel = channel
     add_metric_sink(_forward_metric)
+    add_progress_sink(_forward_progress)
     _detach_from_kernel()
     _redirect_output(stdout, stderr)
     _apply_kernel_state(spec)
@@ -94,6 +95,11 @@ def _forward_metric(rank: int, step: int | None, values: dict[str, Any]) -> None
             numbers[name] = float(value)
     if numbers:
         send(Metric(numbers, step))
+
+
+def _forward_progress(rank: int, n: int, total: int | None, description: str) -> None:
+    """The training core's tqdm bars travel as numbers (for the dashboard's progress rows)."""
+    send(Progress(n, total, description))
 
 
 def _detach_from_kernel() -> None:

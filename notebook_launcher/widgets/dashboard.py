@@ -1,0 +1,138 @@
+"""The live launch dashboard in the cell, built from ipywidgets' own widgets.
+
+It is a launch observer: the launcher calls ``on_event`` from the cell's thread, and the
+widgets are updated from that same thread. Every event updates the record (cheap);
+widgets are redrawn at most a few times a second, the plot at most once a second (less
+when drawing takes long), so a rank that logs or prints thousands of times a second
+cannot flood the frontend or slow the launch. After the launch the dashboard stays in
+the cell as a record of final states, times and errors.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, Callable
+
+from notebook_launcher.launcher.events import LaunchEvent, LaunchFinished, LaunchStarted
+from notebook_launcher.widgets import html as views
+from notebook_launcher.widgets.plot import render_png
+from notebook_launcher.widgets.record import LaunchRecord
+from notebook_launcher.widgets.text import summary
+
+ROWS_INTERVAL_S = 0.25
+OUTPUT_INTERVAL_S = 1.0
+PLOT_INTERVAL_S = 1.0
+# The plot waits at least this many times its own drawing time between redraws, so a
+# slow machine spends at most a fifth of the cell's thread on it.
+PLOT_COST_FACTOR = 5.0
+OUTPUT_LINES_SHOWN = 400
+WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
+
+
+class DashboardWarning(RuntimeWarning):
+    """The dashboard could not be updated; the launch itself goes on unaffected."""
+
+
+class WidgetDashboard:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        import ipywidgets  # imported here: the launcher must import without it
+
+        self._widgets: Any = ipywidgets
+        self.record = LaunchRecord(clock)
+        self.box: Any = None
+        self._handle: Any = None
+        self._broken = False
+        self._shown = {"rows": -1, "output": -1, "curves": 0}
+        self._last = {"rows": 0.0, "output": 0.0, "plot": 0.0}
+        self._plot_cost = 0.0
+        self.plot_draws = 0
+
+    def on_event(self, event: LaunchEvent) -> None:
+        if self._broken:
+            return
+        try:
+            self.record.apply(event)
+            if isinstance(event, LaunchStarted):
+                self._build()
+            elif self.box is not None:
+                self._refresh(force=isinstance(event, LaunchFinished))
+                if isinstance(event, LaunchFinished):
+                    self._show_final_text()
+        except Exception as error:  # a display problem must never end a training run
+            self._broken = True
+            warnings.warn(
+                f"The launch dashboard stopped updating because of {type(error).__name__}: "
+                f"{error}. The launch goes on; its output still appears in the cell.",
+                DashboardWarning,
+                stacklevel=2,
+            )
+
+    # ---- building ---------------------------------------------------------------------
+    def _build(self) -> None:
+        w = self._widgets
+        now = self.record.now()
+        self.header = w.HTML(views.header_html(self.record, now))
+        self.rows = w.HTML(views.rows_html(self.record, now))
+        self.plot = w.Image(format="png", layout=w.Layout(display="none", max_width="100%"))
+        self.outputs = [w.HTML(views.output_html(self.record.rows[r], 0)) for r in sorted(self.record.rows)]
+        self.accordion = w.Accordion(children=self.outputs, selected_index=None)
+        self._title_outputs()
+        self.box = w.VBox(
+            [self.header, self.rows, self.plot, self.accordion],
+            layout=w.Layout(
+                border="1px solid rgba(128, 128, 128, 0.35)", padding="6px 10px", margin="2px 0"
+            ),
+        )
+        self.box.add_class("notebook-launcher-dashboard")
+        from IPython.display import display
+
+        self._handle = display(self._bundle(), raw=True, display_id=True)
+
+    def _bundle(self) -> dict[str, Any]:
+        # The text form travels with the widget: frontends that draw no widgets show it.
+        return {
+            WIDGET_VIEW_MIME: {"version_major": 2, "version_minor": 0, "model_id": self.box.model_id},
+            "text/plain": summary(self.record, self.record.now()),
+        }
+
+    def _show_final_text(self) -> None:
+        if self._handle is not None:
+            self._handle.update(self._bundle(), raw=True)
+
+    # ---- throttled redraws --------------------------------------------------------------
+    def _refresh(self, force: bool) -> None:
+        now = self.record.now()
+        record = self.record
+        if force or now - self._last["rows"] >= ROWS_INTERVAL_S:
+            self._last["rows"] = now
+            # Redrawn even without news while ranks run: their elapsed times move on.
+            self.header.value = views.header_html(record, now)
+            self.rows.value = views.rows_html(record, now)
+        if record.output_version != self._shown["output"] and (
+            force or now - self._last["output"] >= OUTPUT_INTERVAL_S
+        ):
+            self._last["output"], self._shown["output"] = now, record.output_version
+            for rank, widget in zip(sorted(record.rows), self.outputs):
+                widget.value = views.output_html(record.rows[rank], OUTPUT_LINES_SHOWN)
+            self._title_outputs()
+        wait = max(PLOT_INTERVAL_S, PLOT_COST_FACTOR * self._plot_cost)
+        if record.curves_version != self._shown["curves"] and (force or now - self._last["plot"] >= wait):
+            self._draw_plot()
+
+    def _draw_plot(self) -> None:
+        started = time.perf_counter()
+        self._shown["curves"] = self.record.curves_version
+        self.plot.value = render_png(self.record.curves)
+        self.plot.layout.display = ""
+        self.plot_draws += 1
+        self._plot_cost = time.perf_counter() - started
+        self._last["plot"] = self.record.now()
+
+    def _title_outputs(self) -> None:
+        titles = []
+        for rank in sorted(self.record.rows):
+            row = self.record.rows[rank]
+            count = f"{row.output_lines} line{'s' if row.output_lines != 1 else ''}"
+            titles.append(f"Output of rank {rank} ({count})")
+        self.accordion.titles = tuple(titles)

@@ -1,0 +1,69 @@
+"""The live plot: every rank's logged metrics drawn as a PNG picture.
+
+A picture (matplotlib's Agg canvas, no pyplot and no GUI backend) renders in every
+frontend as a plain image, needs no front-end code and fetches nothing at render time.
+matplotlib is imported on the first draw, so launches that log nothing never pay for it.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from notebook_launcher.widgets.record import Curve
+
+_PANEL_SIZE_IN = (4.2, 2.6)
+_MAX_COLUMNS = 3
+_DPI = 100
+# One colour per rank, the same in every panel (matplotlib's default cycle, tab10).
+_RANK_COLOURS = (
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+    "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
+)  # fmt: skip
+
+
+def rank_colour(rank: int) -> str:
+    return _RANK_COLOURS[rank % len(_RANK_COLOURS)]
+
+
+def render_png(curves: dict[tuple[str, int], Curve]) -> bytes:
+    """One panel per metric, one line per rank in it; x is the step (or the log call)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    metrics = sorted({name for name, _ in curves})
+    columns = min(_MAX_COLUMNS, max(1, len(metrics)))
+    rows = math.ceil(len(metrics) / columns) if metrics else 1
+    figure = Figure(
+        figsize=(_PANEL_SIZE_IN[0] * columns, _PANEL_SIZE_IN[1] * rows), dpi=_DPI, layout="constrained"
+    )
+    FigureCanvasAgg(figure)
+    for index, metric in enumerate(metrics):
+        axes = figure.add_subplot(rows, columns, index + 1)
+        ranks = sorted(rank for name, rank in curves if name == metric)
+        for rank in ranks:
+            curve = curves[(metric, rank)]
+            marker = "o" if len(curve.values) < 30 else None
+            axes.plot(
+                curve.steps, curve.values, label=f"rank {rank}", color=rank_colour(rank),
+                linewidth=1.4, marker=marker, markersize=3,
+            )  # fmt: skip
+        axes.set_title(metric, fontsize=10)
+        axes.set_xlabel("step", fontsize=8)
+        axes.tick_params(labelsize=8)
+        axes.grid(True, alpha=0.3)
+        if _positive_and_wide(curves, metric, ranks):
+            axes.set_yscale("log")  # a loss falling over decades stays readable
+        axes.legend(fontsize=8, loc="best", frameon=False)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=_DPI)
+    return buffer.getvalue()
+
+
+def _positive_and_wide(curves: dict[tuple[str, int], Curve], metric: str, ranks: list[int]) -> bool:
+    values = [v for rank in ranks for v in curves[(metric, rank)].values if math.isfinite(v)]
+    if not values or min(values) <= 0:
+        return False
+    return max(values) / min(values) > 100
