@@ -122,7 +122,8 @@ class ConfigurePanel:
         self.reset_button = w.Button(description="Reset", icon="undo", tooltip="Forget this kernel's choices")
         self.save_button.on_click(lambda _: self._save())
         self.reset_button.on_click(lambda _: self._reset())
-        self.processes.observe(lambda change: self._choose("num_processes", change["new"]), names="value")
+        self._resetting = False
+        self.processes.observe(self._on_processes, names="value")
         self.box = w.VBox(
             [
                 w.HTML("<b>notebook_launcher</b> &nbsp;launch settings for this kernel"),
@@ -181,6 +182,10 @@ class ConfigurePanel:
         self.status.value = ""
         self._show(effective)
 
+    def _on_processes(self, change: dict[str, Any]) -> None:
+        if not self._resetting:
+            self._choose("num_processes", change["new"])
+
     def _save(self) -> None:
         effective = launch_defaults.effective_defaults()
         try:
@@ -196,7 +201,11 @@ class ConfigurePanel:
     def _reset(self) -> None:
         launch_defaults.set_kernel_defaults(None)
         effective = launch_defaults.effective_defaults()
-        self.processes.value = effective.num_processes
+        self._resetting = True  # showing the file's value is not a choice of this kernel
+        try:
+            self.processes.value = effective.num_processes
+        finally:
+            self._resetting = False
         self.status.value = "This kernel's choices are forgotten."
         self._show(effective)
 
