@@ -64,7 +64,8 @@ def test_the_panel_disables_what_this_cpu_machine_cannot_run_and_says_why():
     assert not panel.precision_buttons["bf16"].disabled and not panel.precision_buttons["no"].disabled
     assert "<b>fp16</b> is unavailable: fp16 training needs a CUDA GPU (gradient scaling)" in panel.reasons.value
     assert panel.precision_buttons["fp16"].tooltip.startswith("fp16 training needs a CUDA GPU")
-    assert panel.processes.options[0] == (f"auto ({detect().default_num_processes})", None)
+    assert panel.processes.options[0] == (f"auto ({detect().default_num_processes})", 0)
+    assert panel.processes.label == f"auto ({detect().default_num_processes})"  # shown, not blank
 
 
 def test_clicking_in_the_panel_sets_this_kernels_defaults():
@@ -87,7 +88,7 @@ def test_clicking_in_the_panel_sets_this_kernels_defaults():
 def test_on_older_gpus_the_panel_offers_one_rank_per_gpu_and_no_bf16(fake_gpus):
     fake_gpus(("Tesla V100-SXM2-16GB", 16384, "7.0"), ("Tesla V100-SXM2-16GB", 16384, "7.0"))
     panel = ConfigurePanel(detect())
-    assert [value for _, value in panel.processes.options] == [None, 1, 2]
+    assert [value for _, value in panel.processes.options] == [0, 1, 2]
     assert panel.precision_buttons["bf16"].disabled and not panel.precision_buttons["fp16"].disabled
     assert "bf16 needs an Ampere or newer GPU" in panel.reasons.value
     assert "<b>GPU 1</b>: Tesla V100-SXM2-16GB, 16 GiB, compute capability 7.0" in panel.hardware.value

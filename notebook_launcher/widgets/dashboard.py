@@ -10,13 +10,14 @@ the cell as a record of final states, times and errors.
 
 from __future__ import annotations
 
+import html
 import time
 import warnings
 from typing import Any, Callable
 
 from notebook_launcher.launcher.events import LaunchEvent, LaunchFinished, LaunchStarted
 from notebook_launcher.widgets import html as views
-from notebook_launcher.widgets.plot import render_png
+from notebook_launcher.widgets.plot import describe, load_matplotlib, render_png, shown_width
 from notebook_launcher.widgets.record import LaunchRecord
 from notebook_launcher.widgets.text import summary
 
@@ -75,11 +76,12 @@ class WidgetDashboard:
         self.header = w.HTML(views.header_html(self.record, now))
         self.rows = w.HTML(views.rows_html(self.record, now))
         self.plot = w.Image(format="png", layout=w.Layout(display="none", max_width="100%"))
+        self.caption = w.HTML(layout=w.Layout(display="none"))
         self.outputs = [w.HTML(views.output_html(self.record.rows[r], 0)) for r in sorted(self.record.rows)]
         self.accordion = w.Accordion(children=self.outputs, selected_index=None)
         self._title_outputs()
         self.box = w.VBox(
-            [self.header, self.rows, self.plot, self.accordion],
+            [self.header, self.rows, self.plot, self.caption, self.accordion],
             layout=w.Layout(
                 border="1px solid rgba(128, 128, 128, 0.35)", padding="6px 10px", margin="2px 0"
             ),
@@ -104,6 +106,10 @@ class WidgetDashboard:
     def _refresh(self, force: bool) -> None:
         now = self.record.now()
         record = self.record
+        wait = max(PLOT_INTERVAL_S, PLOT_COST_FACTOR * self._plot_cost)
+        # The plot first: once the rows say the launch ended, the final picture is sent.
+        if record.curves_version != self._shown["curves"] and (force or now - self._last["plot"] >= wait):
+            self._draw_plot()
         if force or now - self._last["rows"] >= ROWS_INTERVAL_S:
             self._last["rows"] = now
             # Redrawn even without news while ranks run: their elapsed times move on.
@@ -116,14 +122,20 @@ class WidgetDashboard:
             for rank, widget in zip(sorted(record.rows), self.outputs):
                 widget.value = views.output_html(record.rows[rank], OUTPUT_LINES_SHOWN)
             self._title_outputs()
-        wait = max(PLOT_INTERVAL_S, PLOT_COST_FACTOR * self._plot_cost)
-        if record.curves_version != self._shown["curves"] and (force or now - self._last["plot"] >= wait):
-            self._draw_plot()
 
     def _draw_plot(self) -> None:
+        load_matplotlib()  # a one-off cost, not counted as the drawing's
         started = time.perf_counter()
         self._shown["curves"] = self.record.curves_version
-        self.plot.value = render_png(self.record.curves)
+        png = render_png(self.record.curves)
+        self.plot.value = png
+        self.plot.width = str(shown_width(png))
+        # In words under the picture (ipywidgets' Image cannot carry a tooltip: its
+        # frontend then fails to draw it again when the output is re-rendered).
+        self.caption.value = (
+            f'<div style="font-size: 11px; opacity: 0.65;">{html.escape(describe(self.record.curves))}</div>'
+        )
+        self.caption.layout.display = ""
         self.plot.layout.display = ""
         self.plot_draws += 1
         self._plot_cost = time.perf_counter() - started

@@ -26,6 +26,7 @@ class _Unset:
 
 
 UNSET: Any = _Unset()
+AUTO = 0  # the dropdown's value for "let the launcher decide" (None would show as no choice)
 PRECISION_LABELS = {"no": "no (fp32)", "fp16": "fp16", "bf16": "bf16", "fp8": "fp8"}
 _CPU_CHOICES_AT_LEAST = 8
 
@@ -109,7 +110,9 @@ class ConfigurePanel:
         label = _label_layout(w)
         self.hardware = w.HTML(hardware_html(report))
         self.processes = w.Dropdown(
-            options=self._process_options(), value=effective.num_processes, layout=w.Layout(width="150px")
+            options=self._process_options(),
+            value=effective.num_processes or AUTO,
+            layout=w.Layout(width="150px"),
         )
         self.precision_buttons = self._option_buttons("mixed_precision", PRECISION_LABELS)
         self.start_buttons = self._option_buttons(
@@ -140,12 +143,12 @@ class ConfigurePanel:
         self.box.add_class("notebook-launcher-configure")
         self._show(effective)
 
-    def _process_options(self) -> list[tuple[str, int | None]]:
+    def _process_options(self) -> list[tuple[str, int]]:
         limit = self.choices["num_processes"]["max"]
         if limit is None:  # CPU ranks: any count works; offer a useful range
             limit = max(_CPU_CHOICES_AT_LEAST, self.report.cpu_count)
         default = self.choices["num_processes"]["default"]
-        options: list[tuple[str, int | None]] = [(f"auto ({default})", None)]
+        options = [(f"auto ({default})", AUTO)]
         return options + [(str(n), n) for n in range(self.choices["num_processes"]["min"], limit + 1)]
 
     def _option_buttons(self, key: str, labels: dict[str, str]) -> dict[str, Any]:
@@ -184,7 +187,7 @@ class ConfigurePanel:
 
     def _on_processes(self, change: dict[str, Any]) -> None:
         if not self._resetting:
-            self._choose("num_processes", change["new"])
+            self._choose("num_processes", change["new"] or None)
 
     def _save(self) -> None:
         effective = launch_defaults.effective_defaults()
@@ -203,7 +206,7 @@ class ConfigurePanel:
         effective = launch_defaults.effective_defaults()
         self._resetting = True  # showing the file's value is not a choice of this kernel
         try:
-            self.processes.value = effective.num_processes
+            self.processes.value = effective.num_processes or AUTO
         finally:
             self._resetting = False
         self.status.value = "This kernel's choices are forgotten."

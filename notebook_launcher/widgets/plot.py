@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 _PANEL_SIZE_IN = (4.2, 2.6)
 _MAX_COLUMNS = 3
-_DPI = 100
+_DPI = 100  # CSS pixels per inch as shown
+_SCALE = 2  # drawn at twice the size shown, so it stays sharp on high-density screens
 # One colour per rank, the same in every panel (matplotlib's default cycle, tab10).
 _RANK_COLOURS = (
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
@@ -26,6 +27,27 @@ _RANK_COLOURS = (
 
 def rank_colour(rank: int) -> str:
     return _RANK_COLOURS[rank % len(_RANK_COLOURS)]
+
+
+def describe(curves: dict[tuple[str, int], Curve]) -> str:
+    """What the picture shows, in words (its tooltip, and what a screen reader reads)."""
+    parts = []
+    for metric in sorted({name for name, _ in curves}):
+        ranks = sorted(rank for name, rank in curves if name == metric)
+        shown = ", ".join(f"rank {rank} ({curves[(metric, rank)].calls} points)" for rank in ranks)
+        parts.append(f"{metric} by step: {shown}")
+    return "; ".join(parts)
+
+
+def shown_width(png: bytes) -> int:
+    """The width in CSS pixels to show a picture made by :func:`render_png` at."""
+    return int.from_bytes(png[16:20], "big") // _SCALE
+
+
+def load_matplotlib() -> None:
+    """Import what drawing needs (about a second, once per kernel), apart from drawing."""
+    import matplotlib.backends.backend_agg
+    import matplotlib.figure  # noqa: F401
 
 
 def render_png(curves: dict[tuple[str, int], Curve]) -> bytes:
@@ -58,7 +80,7 @@ def render_png(curves: dict[tuple[str, int], Curve]) -> bytes:
             axes.set_yscale("log")  # a loss falling over decades stays readable
         axes.legend(fontsize=8, loc="best", frameon=False)
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=_DPI)
+    figure.savefig(buffer, format="png", dpi=_DPI * _SCALE)
     return buffer.getvalue()
 
 
