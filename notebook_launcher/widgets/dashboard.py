@@ -73,6 +73,7 @@ class WidgetDashboard:
     def _build(self) -> None:
         w = self._widgets
         now = self.record.now()
+        self._last["plot"] = now  # the first picture a second in: a short launch draws once
         self.header = w.HTML(views.header_html(self.record, now))
         self.rows = w.HTML(views.rows_html(self.record, now))
         self.plot = w.Image(format="png", layout=w.Layout(display="none", max_width="100%"))
