@@ -28,6 +28,15 @@ class Clock:
         return self.now
 
 
+@pytest.fixture(autouse=True)
+def close_widgets():
+    """Close this test's widgets while their comms exist (not at interpreter exit)."""
+    yield
+    import ipywidgets
+
+    ipywidgets.Widget.close_all()
+
+
 def png_size(data: bytes) -> tuple[int, int]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     return struct.unpack(">II", data[16:24])
@@ -70,8 +79,8 @@ def test_the_final_state_is_drawn_at_once_and_stays(board):
     dashboard.on_event(OutputLine(1, "stdout", "about to fail", False))
     clock.now += 0.01  # within every throttle interval: only the final event draws
     failure = RankFailure(1, 1001, 1, "ValueError", "bad batch", "Traceback ...")
-    dashboard.on_event(RankFinished(1, 1, failure))
-    dashboard.on_event(RankFinished(0, -15, None))
+    dashboard.on_event(RankFinished(1, 1, failure, "failed"))
+    dashboard.on_event(RankFinished(0, -15, None, "stopped"))
     dashboard.on_event(LaunchFinished("failed", 0.01))
     assert "nl-failed" in dashboard.rows.value and "ValueError: bad batch" in dashboard.rows.value
     assert "nl-stopped" in dashboard.rows.value

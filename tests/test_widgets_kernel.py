@@ -79,8 +79,8 @@ def test_configure_shows_a_panel_of_widget_models_with_impossible_choices_disabl
     cell = kernel.run("configure()")
     assert cell.error is None, cell.error
     models = opened(cell)
-    fp16 = models[model_with(models, "ButtonModel", description="fp16")]
-    assert fp16["disabled"] is True and fp16["tooltip"].startswith("fp16 training needs a CUDA GPU")
+    fp8 = models[model_with(models, "ButtonModel", description="fp8")]
+    assert fp8["disabled"] is True and fp8["tooltip"].startswith("fp8 needs a Hopper-class NVIDIA GPU")
     assert models[model_with(models, "ButtonModel", description="bf16")]["disabled"] is False
     shown = [m for m in cell.messages if m["msg_type"] == "display_data"]
     assert len(shown) == 1 and shown[0]["content"]["data"][WIDGET_VIEW]["model_id"] in models

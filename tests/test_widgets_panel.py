@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from notebook_launcher import configure, defaults, notebook_launcher
-from notebook_launcher.errors import LaunchConfigError
+from notebook_launcher import configure, defaults, notebook_launcher, rules
+from notebook_launcher.errors import DefaultsError
 from notebook_launcher.hardware import detect
 from notebook_launcher.widgets.panel import ConfigurePanel
 
@@ -19,6 +19,15 @@ def private_defaults(tmp_path, monkeypatch):
     defaults.set_kernel_defaults(None)
     yield tmp_path / "config" / "notebook_launcher" / "defaults.json"
     defaults.set_kernel_defaults(None)
+
+
+@pytest.fixture(autouse=True)
+def close_widgets():
+    """Close this test's widgets while their comms exist (not at interpreter exit)."""
+    yield
+    import ipywidgets
+
+    ipywidgets.Widget.close_all()
 
 
 def world_and_precision():
@@ -50,20 +59,22 @@ def test_save_writes_the_defaults_file_the_sidebar_reads(private_defaults):
 
 
 def test_a_choice_the_hardware_cannot_run_is_refused_with_the_reason():
-    with pytest.raises(LaunchConfigError, match=r"configure\(\) cannot use this setting: mixed_precision='fp16' "
-                       r"cannot run here: fp16 training needs a CUDA GPU"):  # fmt: skip
-        configure(mixed_precision="fp16")
-    with pytest.raises(LaunchConfigError, match=r"num_processes must be a whole number of at least 1"):
+    with pytest.raises(DefaultsError, match=r"configure\(\) cannot use this setting: mixed_precision='fp8' "
+                       r"cannot run here: fp8 needs a Hopper-class NVIDIA GPU; this machine runs ranks on CPU"):  # fmt: skip
+        configure(mixed_precision="fp8")
+    with pytest.raises(DefaultsError, match=r"num_processes must be a whole number of at least 1"):
         configure(num_processes=0)
     assert defaults.kernel_defaults() is None  # nothing half-applied
 
 
 def test_the_panel_disables_what_this_cpu_machine_cannot_run_and_says_why():
     panel = ConfigurePanel(detect())
-    assert panel.precision_buttons["fp16"].disabled and panel.precision_buttons["fp8"].disabled
-    assert not panel.precision_buttons["bf16"].disabled and not panel.precision_buttons["no"].disabled
-    assert "<b>fp16</b> is unavailable: fp16 training needs a CUDA GPU (gradient scaling)" in panel.reasons.value
-    assert panel.precision_buttons["fp16"].tooltip.startswith("fp16 training needs a CUDA GPU")
+    assert panel.precision_buttons["fp8"].disabled
+    assert not any(panel.precision_buttons[p].disabled for p in ("no", "bf16", "fp16"))
+    assert ("<b>fp8</b> is unavailable: fp8 needs a Hopper-class NVIDIA GPU; this machine runs ranks on CPU"
+            in panel.reasons.value)  # fmt: skip
+    assert panel.precision_buttons["fp8"].tooltip.startswith("fp8 needs a Hopper-class NVIDIA GPU")
+    assert [v for _, v in panel.processes.options][-1] == rules.max_num_processes(detect())
     assert panel.processes.options[0] == (f"auto ({detect().default_num_processes})", 0)
     assert panel.processes.label == f"auto ({detect().default_num_processes})"  # shown, not blank
 
@@ -77,6 +88,7 @@ def test_clicking_in_the_panel_sets_this_kernels_defaults():
     assert panel.precision_buttons["bf16"].button_style == "primary"
     assert panel.precision_buttons["no"].button_style == ""
     assert "1 x CPU rank, bf16, fork" in panel.summary.value
+    assert "mixed_precision chosen in this kernel" in panel.summary.value
     panel.save_button.click()
     assert "Saved to" in panel.status.value
     panel.processes.value = 2

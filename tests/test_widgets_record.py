@@ -49,7 +49,7 @@ def test_rows_go_from_starting_to_running_to_their_final_state_with_times():
     assert record.rows[1].state == "running" and record.rows[1].pid == 1001
     clock.now += 2.5
     record.apply(RankFinished(0, 0, None))
-    record.apply(RankFinished(1, 1, failure()))
+    record.apply(RankFinished(1, 1, failure(), "failed"))
     clock.now += 10
     assert record.rows[0].state == "done" and record.rows[0].elapsed(clock.now) == 2.5
     assert record.rows[1].state == "failed"
@@ -59,7 +59,7 @@ def test_rows_go_from_starting_to_running_to_their_final_state_with_times():
 def test_ranks_stopped_by_the_launcher_are_stopped_not_failed():
     record = LaunchRecord(Clock())
     started(record, None)
-    record.apply(RankFinished(0, -15, None))
+    record.apply(RankFinished(0, -15, None, "stopped"))
     assert record.rows[0].state == "stopped"
 
 
@@ -117,8 +117,8 @@ def test_the_text_summary_has_every_rank_state_time_and_error():
     record.apply(OutputLine(0, "stdout", "epoch 4: loss 0.01", False))
     record.apply(RankMetric(0, {"loss": 0.0123456}, 4))
     clock.now += 1.25
-    record.apply(RankFinished(1, 1, failure()))
-    record.apply(RankFinished(0, -15, None))
+    record.apply(RankFinished(1, 1, failure(), "failed"))
+    record.apply(RankFinished(0, -15, None, "stopped"))
     record.apply(LaunchFinished("failed", 1.5))
     lines = summary(record, clock.now).splitlines()
     assert lines[0] == "notebook_launcher: 2 x cpu ranks, bf16, fork: failed after 1.5 s"
@@ -135,7 +135,7 @@ def test_the_html_rows_mark_states_and_highlight_the_failing_rank():
     started(record, None)
     record.apply(OutputLine(0, "stdout", "<b>not markup</b>", False))
     record.apply(RankProgress(0, 5, 10, ""))
-    record.apply(RankFinished(1, 1, failure()))
+    record.apply(RankFinished(1, 1, failure(), "failed"))
     table = views.rows_html(record, 0.0)
     assert 'class="nl-rank nl-running" data-rank="0"' in table
     assert 'class="nl-rank nl-failed" data-rank="1" style="background: rgba(214, 39, 40, 0.12);"' in table

@@ -14,8 +14,9 @@ import html
 from typing import Any
 
 from notebook_launcher import defaults as launch_defaults
-from notebook_launcher.defaults import DefaultsError, LaunchDefaults
-from notebook_launcher.errors import LaunchConfigError
+from notebook_launcher import rules
+from notebook_launcher.defaults import EffectiveDefaults, LaunchDefaults
+from notebook_launcher.errors import DefaultsError
 from notebook_launcher.hardware import HardwareReport
 from notebook_launcher.hardware import detect as detect_hardware
 
@@ -28,7 +29,7 @@ class _Unset:
 UNSET: Any = _Unset()
 AUTO = 0  # the dropdown's value for "let the launcher decide" (None would show as no choice)
 PRECISION_LABELS = {"no": "no (fp32)", "fp16": "fp16", "bf16": "bf16", "fp8": "fp8"}
-_CPU_CHOICES_AT_LEAST = 8
+_SOURCE_WORDS = {launch_defaults.KERNEL: "chosen in this kernel", launch_defaults.FILE: "from the saved defaults"}
 
 
 def configure(
@@ -66,12 +67,13 @@ def apply_choice(given: dict[str, Any], report: HardwareReport, save: bool = Fal
     """Check ``given`` against the rules and this machine, then make it this kernel's choice."""
     current = launch_defaults.kernel_defaults() or LaunchDefaults()
     try:
+        # The launcher's own checks: what is accepted here is never refused at launch.
         chosen = launch_defaults.parse_defaults({**current.to_dict(), **given})
         launch_defaults.check_against_hardware(chosen, report)
     except DefaultsError as error:
-        raise LaunchConfigError(f"configure() cannot use this setting: {error}") from error
+        raise DefaultsError(f"configure() cannot use this setting: {error}") from error
     launch_defaults.set_kernel_defaults(chosen)
-    effective = launch_defaults.effective_defaults()
+    effective = launch_defaults.effective_defaults().values
     if save:
         launch_defaults.save_defaults(effective)
     return effective
@@ -105,13 +107,13 @@ class ConfigurePanel:
 
         self._w = w
         self.report = report
-        self.choices = launch_defaults.choices(report)
+        self.choices = rules.choices(report)  # the launcher's rules, never a copy of them
         effective = launch_defaults.effective_defaults()
         label = _label_layout(w)
         self.hardware = w.HTML(hardware_html(report))
         self.processes = w.Dropdown(
             options=self._process_options(),
-            value=effective.num_processes or AUTO,
+            value=effective.values.num_processes or AUTO,
             layout=w.Layout(width="150px"),
         )
         self.precision_buttons = self._option_buttons("mixed_precision", PRECISION_LABELS)
@@ -119,6 +121,10 @@ class ConfigurePanel:
             "start_method", {m: m for m in self.choices["start_method"]}
         )
         self.reasons = w.HTML(self._reasons_html())
+        note = w.HTML(
+            '<span style="opacity: 0.7; font-size: 12px; margin-left: 8px;">'
+            f'{html.escape(self.choices["num_processes"]["note"])}</span>'
+        )
         self.summary = w.HTML()
         self.status = w.HTML()
         self.save_button = w.Button(description="Save as default", icon="save", tooltip=str(launch_defaults.defaults_path()))
@@ -131,7 +137,7 @@ class ConfigurePanel:
             [
                 w.HTML("<b>notebook_launcher</b> &nbsp;launch settings for this kernel"),
                 self.hardware,
-                w.HBox([w.Label("Processes", layout=label), self.processes]),
+                w.HBox([w.Label("Processes", layout=label), self.processes, note]),
                 w.HBox([w.Label("Precision", layout=label), *self.precision_buttons.values()]),
                 w.HBox([w.Label("Start method", layout=label), *self.start_buttons.values()]),
                 self.reasons,
@@ -145,8 +151,6 @@ class ConfigurePanel:
 
     def _process_options(self) -> list[tuple[str, int]]:
         limit = self.choices["num_processes"]["max"]
-        if limit is None:  # CPU ranks: any count works; offer a useful range
-            limit = max(_CPU_CHOICES_AT_LEAST, self.report.cpu_count)
         default = self.choices["num_processes"]["default"]
         options = [(f"auto ({default})", AUTO)]
         return options + [(str(n), n) for n in range(self.choices["num_processes"]["min"], limit + 1)]
@@ -178,19 +182,19 @@ class ConfigurePanel:
 
     def _choose(self, key: str, value: Any) -> None:
         try:
-            effective = apply_choice({key: value}, self.report)
-        except LaunchConfigError as error:
+            apply_choice({key: value}, self.report)
+        except DefaultsError as error:
             self.status.value = f'<span style="color: #d62728;">{html.escape(str(error))}</span>'
             return
         self.status.value = ""
-        self._show(effective)
+        self._show(launch_defaults.effective_defaults())
 
     def _on_processes(self, change: dict[str, Any]) -> None:
         if not self._resetting:
             self._choose("num_processes", change["new"] or None)
 
     def _save(self) -> None:
-        effective = launch_defaults.effective_defaults()
+        effective = launch_defaults.effective_defaults().values
         try:
             path = launch_defaults.save_defaults(effective)
         except OSError as error:
@@ -206,21 +210,29 @@ class ConfigurePanel:
         effective = launch_defaults.effective_defaults()
         self._resetting = True  # showing the file's value is not a choice of this kernel
         try:
-            self.processes.value = effective.num_processes or AUTO
+            self.processes.value = effective.values.num_processes or AUTO
         finally:
             self._resetting = False
         self.status.value = "This kernel's choices are forgotten."
         self._show(effective)
 
-    def _show(self, effective: LaunchDefaults) -> None:
-        precision = effective.mixed_precision or "no"
-        method = effective.start_method or "auto"
+    def _show(self, effective: EffectiveDefaults) -> None:
+        values = effective.values
+        precision = values.mixed_precision or "no"
+        method = values.start_method or "auto"
         for value, button in self.precision_buttons.items():
             button.button_style = "primary" if value == precision else ""
         for value, button in self.start_buttons.items():
             button.button_style = "primary" if value == method else ""
-        description = launch_defaults.describe_launch(effective, self.report)
-        self.summary.value = f"Next <code>notebook_launcher()</code> call: <b>{html.escape(description)}</b>"
+        description = launch_defaults.describe_launch(values, self.report)
+        sources = "; ".join(
+            f"{field} {_SOURCE_WORDS.get(source, source)}"
+            for field, source in sorted(effective.sources.items())
+        )
+        self.summary.value = (
+            f"Next <code>notebook_launcher()</code> call: <b>{html.escape(description)}</b>"
+            + (f'<br><span style="opacity: 0.7; font-size: 12px;">{html.escape(sources)}</span>' if sources else "")
+        )
 
 
 def _label_layout(w: Any) -> Any:

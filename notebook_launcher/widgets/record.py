@@ -201,13 +201,8 @@ class LaunchRecord:
 
 
 def rank_state(event: RankFinished) -> str:
-    """done, failed or stopped: the launcher's own word where it gives one."""
-    state = getattr(event, "state", None)
-    if state in FINAL_STATES:
-        return str(state)
-    if event.failure is not None:
-        return "failed"
-    return "done" if event.exitcode == 0 else "stopped"
+    """done, failed or stopped: the launcher's own word."""
+    return event.state if event.state in FINAL_STATES else "failed"
 
 
 def failure_line(failure: RankFailure) -> str:

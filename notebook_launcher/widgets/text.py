@@ -24,6 +24,7 @@ _OUTCOME_WORDS = {
     "timeout": "ran past its timeout",
     "interrupted": "was interrupted",
     "stopped": "was stopped",
+    "error": "ended with an error",
 }
 _PRECISION_WORDS = {"no": "fp32"}
 

@@ -176,11 +176,11 @@ def test_the_panel_renders_and_disables_an_impossible_choice_with_its_reason(pag
     panel = page.locator(PANEL)  # type: ignore[attr-defined]
     expect(panel).to_be_visible(timeout=120_000)
     expect(panel).to_contain_text("CPU")
-    fp16 = panel.get_by_role("button", name="fp16", exact=True)
-    expect(fp16).to_be_disabled()
-    expect(fp16).to_have_attribute("title", "fp16 training needs a CUDA GPU (gradient scaling); this machine runs ranks on CPU: use bf16")
+    fp8 = panel.get_by_role("button", name="fp8", exact=True)
+    expect(fp8).to_be_disabled()
+    expect(fp8).to_have_attribute("title", "fp8 needs a Hopper-class NVIDIA GPU; this machine runs ranks on CPU")
     expect(panel.get_by_role("button", name="bf16", exact=True)).to_be_enabled()
-    expect(panel).to_contain_text("fp16 is unavailable: fp16 training needs a CUDA GPU")
+    expect(panel).to_contain_text("fp8 is unavailable: fp8 needs a Hopper-class NVIDIA GPU; this machine runs ranks on CPU")
     expect(panel).to_contain_text("Next notebook_launcher() call:")
     _screenshot(panel, f"widgets-{app.name}-configure")
 
