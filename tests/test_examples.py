@@ -51,3 +51,4 @@ def test_quickstart_trains_on_two_ranks_and_shows_what_each_did():
     assert "finished after" in record[0]
     for rank, line in zip((0, 1), record[2:]):
         assert line.split()[:3] == [str(rank), "done", "cpu"] and "loss=" in line
+        assert "100% training: 40/40" in line  # the plain tqdm bar, read from its text

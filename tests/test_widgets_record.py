@@ -87,13 +87,16 @@ def test_core_progress_wins_over_a_printed_bar_of_the_same_rank():
     assert record.rows[0].progress.label() == "epoch: 3/8"
 
 
-def test_a_bars_final_line_counts_as_output_and_last_line():
+def test_a_bars_final_line_counts_as_output_but_not_as_the_last_line():
     record = LaunchRecord(Clock())
     started(record, None)
     final = "100%|##########| 40/40 [00:00<00:00, 97.2it/s]"
     record.apply(OutputLine(1, "stderr", final, False))
     assert record.rows[1].progress.fraction == 1.0
-    assert record.rows[1].last_line == final and list(record.rows[1].output) == [f"[stderr] {final}"]
+    record.apply(OutputLine(1, "stdout", "epoch 4 done", False))
+    record.apply(OutputLine(1, "stderr", final, False))
+    assert record.rows[1].last_line == "epoch 4 done"  # the bar shows as progress instead
+    assert list(record.rows[1].output) == [f"[stderr] {final}", "epoch 4 done", f"[stderr] {final}"]
 
 
 def test_metrics_become_one_curve_per_rank_and_metric_bounded_in_size():

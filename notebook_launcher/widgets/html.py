@@ -24,6 +24,9 @@ OUTCOME_MARKS = {"ok": ("✔", "#2ca02c")}
 _FAILED_ROW = "background: rgba(214, 39, 40, 0.12);"
 _CELL = "padding: 3px 10px 3px 0; vertical-align: middle; white-space: nowrap;"
 _LINE_WIDTH = 120
+# The last line is cut to the width left in the cell, with an ellipsis (the full text is in
+# the rank's output below).
+_LAST_CELL = " max-width: 36em; overflow: hidden; text-overflow: ellipsis;"
 
 
 def header_html(record: LaunchRecord, now: float) -> str:
@@ -82,8 +85,12 @@ def _row_html(row: RankRow, now: float) -> str:
         html.escape(metrics_text(row)) if row.last_metrics else "-",
         f'<span style="font-family: var(--jp-code-font-family, monospace);">{detail}</span>',
     ]
+    last = len(cells) - 1
     style = _FAILED_ROW if row.state == "failed" else ""
-    tds = "".join(f'<td style="{_CELL}">{cell}</td>' for cell in cells)
+    tds = "".join(
+        f'<td style="{_CELL}{_LAST_CELL if index == last else ""}">{cell}</td>'
+        for index, cell in enumerate(cells)
+    )
     return f'<tr class="nl-rank nl-{row.state}" data-rank="{row.rank}" style="{style}">{tds}</tr>'
 
 

@@ -176,7 +176,8 @@ class LaunchRecord:
                 return  # a redraw: neither a line of output nor the last line
         if not line.text.strip():
             return
-        row.last_line = line.text
+        if parsed is None:  # a bar's final state is shown as progress, not as the last line
+            row.last_line = line.text
         row.output.append(line.text if line.stream == "stdout" else f"[stderr] {line.text}")
         row.output_lines += 1
         self.output_version += 1

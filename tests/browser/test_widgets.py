@@ -193,6 +193,7 @@ def test_the_dashboard_rows_reach_done_and_the_loss_plot_is_drawn(page: object, 
     expect(training.locator("tr.nl-rank")).to_have_count(2)
     expect(training.locator("tr.nl-done")).to_have_count(2, timeout=180_000)
     expect(training).to_contain_text("finished after")
+    expect(training.locator(".nl-progress")).to_have_text(["training: 40/40", "training: 40/40"])
     plot = training.locator("img")
     expect(plot).to_be_visible()
     # The final picture: every step of both ranks (01 logs 40 steps on each rank).
