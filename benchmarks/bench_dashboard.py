@@ -73,6 +73,7 @@ def storm(per_step, steps, log):
     from notebook_launcher import Accelerator
     accelerator = Accelerator()
     in_log = 0.0  # time spent inside log(): where a kernel that cannot keep up would block
+    cpu_started = time.process_time()  # the loop's own CPU time: unmoved by other processes
     started = time.perf_counter()
     for step in range(steps):
         work(per_step)
@@ -80,7 +81,7 @@ def storm(per_step, steps, log):
             before = time.perf_counter()
             accelerator.log({"loss": 1.0 / (step + 1), "lr": 0.1}, step=step)
             in_log += time.perf_counter() - before
-    return time.perf_counter() - started, in_log, time.time()
+    return time.perf_counter() - started, in_log, time.time(), time.process_time() - cpu_started
 """
 
 
@@ -133,12 +134,14 @@ def launch_overhead(kernel: Kernel, job: str, rounds: int) -> dict[str, list[flo
     return times
 
 
-def log_storm(
-    kernel: Kernel, seconds: float, rounds: int
-) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, list[float]]]:
+Series = dict[str, list[float]]
+
+
+def log_storm(kernel: Kernel, seconds: float, rounds: int) -> tuple[Series, Series, Series, Series]:
     variants = {"dashboard on": ("True", True), "dashboard off": ("False", True), "no log calls": ("False", False)}
     loops: dict[str, list[float]] = {name: [] for name in variants}
     in_log: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
     gaps: dict[str, list[float]] = {name: [] for name in variants}
     per_step = int(kernel.run("print(calibrate(1000))").strip())
     steps = int(seconds * 1000)
@@ -151,12 +154,30 @@ def log_storm(
                 f"num_processes=1, start_method='fork', dashboard={dashboard})))"
             )
             queued = kernel.client.execute("print(time.time())")  # waits behind the launch
-            loop_s, log_s, loop_end = json.loads(kernel.collect(launch).strip().splitlines()[-1])
+            loop_s, log_s, loop_end, cpu_s = json.loads(kernel.collect(launch).strip().splitlines()[-1])
+            cpu[name].append(cpu_s)
             started = float(kernel.collect(queued).strip())
             loops[name].append(loop_s)
             in_log[name].append(log_s / loop_s)
             gaps[name].append(started - loop_end)
-    return loops, in_log, gaps
+    return loops, cpu, in_log, gaps
+
+
+def storm_report(kernel: Kernel, seconds: float, rounds: int) -> None:
+    print(f"\n1 rank logging 1,000 metrics/s for {seconds:g} s, {rounds} rotated rounds (medians):")
+    loops, cpu, in_log, gaps = log_storm(kernel, seconds, rounds)
+    base, bare = statistics.median(loops["dashboard off"]), statistics.median(loops["no log calls"])
+    cpu_base = statistics.median(cpu["dashboard off"])
+    steps = int(seconds * 1000)
+    print("  variant        loop wall s  logs/s  vs off  vs no log   loop CPU s  vs off"
+          "  in log()  next cell after loop end")  # fmt: skip
+    for name, values in loops.items():
+        wall, used = statistics.median(values), statistics.median(cpu[name])
+        print(
+            f"  {name:14s} {wall:11.3f} {steps / wall:7.0f} {wall / base:6.3f}x {wall / bare:8.3f}x"
+            f" {used:11.3f} {used / cpu_base:6.3f}x {statistics.median(in_log[name]):8.2%}"
+            f"  {statistics.median(gaps[name]):.3f} s (max {max(gaps[name]):.3f} s)"
+        )
 
 
 def main() -> int:
@@ -164,28 +185,18 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--storm-seconds", type=float, default=10.0)
     parser.add_argument("--storm-rounds", type=int, default=3)
+    parser.add_argument("--only", choices=("launch", "storm"), help="run one of the two parts")
     options = parser.parse_args()
     kernel = Kernel()
     try:
-        print(f"2-rank launch in a Jupyter kernel, fork, {options.rounds} interleaved rounds (median s):")
-        for job in ("bare_job", "logging_job"):
+        if options.only != "storm":
+            print(f"2-rank launch in a Jupyter kernel, fork, {options.rounds} interleaved rounds (median s):")
+        for job in ("bare_job", "logging_job") if options.only != "storm" else ():
             times = launch_overhead(kernel, job, options.rounds)
             on, off = statistics.median(times["on"]), statistics.median(times["off"])
             print(f"  {job:12s} dashboard off {off:.3f}   dashboard on {on:.3f}   ratio {on / off:.2f}x")
-        print(f"\n1 rank logging 1,000 metrics/s for {options.storm_seconds:g} s, "
-              f"{options.storm_rounds} rounds (median loop time, s):")  # fmt: skip
-        loops, in_log, gaps = log_storm(kernel, options.storm_seconds, options.storm_rounds)
-        base = statistics.median(loops["dashboard off"])
-        bare = statistics.median(loops["no log calls"])
-        steps = int(options.storm_seconds * 1000)
-        print("  variant         loop s  logs/s  vs off  vs no log  time in log()  next cell after")
-        for name, values in loops.items():
-            median = statistics.median(values)
-            share = statistics.median(in_log[name])
-            print(
-                f"  {name:14s} {median:7.3f} {steps / median:7.0f} {median / base:6.3f}x {median / bare:8.3f}x"
-                f" {share:13.2%} {statistics.median(gaps[name]):6.3f} s (max {max(gaps[name]):.3f})"
-            )
+        if options.only != "launch":
+            storm_report(kernel, options.storm_seconds, options.storm_rounds)
     finally:
         kernel.close()
     return 0

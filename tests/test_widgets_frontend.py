@@ -48,3 +48,19 @@ def test_a_plain_interpreter_gets_the_text_dashboard():
 def test_the_launcher_refuses_a_wrong_dashboard_before_starting_ranks():
     with pytest.raises(LaunchConfigError, match="dashboard='yes' is not a dashboard setting"):
         notebook_launcher(print, num_processes=1, dashboard="yes")
+
+
+def test_the_package_and_its_widgets_import_without_torch_and_load_ipywidgets_lazily():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # as if torch were not installed
+        "import notebook_launcher\n"
+        "from notebook_launcher import configure\n"
+        "import notebook_launcher.widgets.dashboard, notebook_launcher.widgets.panel\n"
+        "print(sorted(m for m in ('ipywidgets', 'matplotlib') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
