@@ -50,6 +50,12 @@ def logging_job():
         accelerator.log({"loss": 1.0 / (step + 1)}, step=step)
     return value.item()
 
+def kernel_cpu(launch):
+    # The kernel's own CPU time over a launch: what watching (and the dashboard) costs it.
+    started = time.process_time()
+    result = launch()
+    return [*result, time.process_time() - started]
+
 def timed(job, dashboard):
     started = time.perf_counter()
     notebook_launcher(job, num_processes=2, start_method="fork", output="none", dashboard=dashboard)
@@ -137,11 +143,12 @@ def launch_overhead(kernel: Kernel, job: str, rounds: int) -> dict[str, list[flo
 Series = dict[str, list[float]]
 
 
-def log_storm(kernel: Kernel, seconds: float, rounds: int) -> tuple[Series, Series, Series, Series]:
+def log_storm(kernel: Kernel, seconds: float, rounds: int) -> tuple[Series, Series, Series, Series, Series]:
     variants = {"dashboard on": ("True", True), "dashboard off": ("False", True), "no log calls": ("False", False)}
     loops: dict[str, list[float]] = {name: [] for name in variants}
     in_log: dict[str, list[float]] = {name: [] for name in variants}
     cpu: dict[str, list[float]] = {name: [] for name in variants}
+    kernel_cpu: dict[str, list[float]] = {name: [] for name in variants}
     gaps: dict[str, list[float]] = {name: [] for name in variants}
     per_step = int(kernel.run("print(calibrate(1000))").strip())
     steps = int(seconds * 1000)
@@ -150,32 +157,34 @@ def log_storm(kernel: Kernel, seconds: float, rounds: int) -> tuple[Series, Seri
         order = order[index % len(order):] + order[: index % len(order)]  # rotate: noise hits all
         for name, (dashboard, log) in order:
             launch = kernel.client.execute(
-                f"print(json.dumps(notebook_launcher(storm, args=({per_step}, {steps}, {log}), "
-                f"num_processes=1, start_method='fork', dashboard={dashboard})))"
+                f"print(json.dumps(kernel_cpu(lambda: notebook_launcher(storm, args=({per_step}, {steps}, {log}), "
+                f"num_processes=1, start_method='fork', dashboard={dashboard}))))"
             )
             queued = kernel.client.execute("print(time.time())")  # waits behind the launch
-            loop_s, log_s, loop_end, cpu_s = json.loads(kernel.collect(launch).strip().splitlines()[-1])
+            loop_s, log_s, loop_end, cpu_s, kernel_s = json.loads(kernel.collect(launch).strip().splitlines()[-1])
             cpu[name].append(cpu_s)
+            kernel_cpu[name].append(kernel_s)
             started = float(kernel.collect(queued).strip())
             loops[name].append(loop_s)
             in_log[name].append(log_s / loop_s)
             gaps[name].append(started - loop_end)
-    return loops, cpu, in_log, gaps
+    return loops, cpu, in_log, gaps, kernel_cpu
 
 
 def storm_report(kernel: Kernel, seconds: float, rounds: int) -> None:
     print(f"\n1 rank logging 1,000 metrics/s for {seconds:g} s, {rounds} rotated rounds (medians):")
-    loops, cpu, in_log, gaps = log_storm(kernel, seconds, rounds)
+    loops, cpu, in_log, gaps, watching = log_storm(kernel, seconds, rounds)
     base, bare = statistics.median(loops["dashboard off"]), statistics.median(loops["no log calls"])
     cpu_base = statistics.median(cpu["dashboard off"])
     steps = int(seconds * 1000)
     print("  variant        loop wall s  logs/s  vs off  vs no log   loop CPU s  vs off"
-          "  in log()  next cell after loop end")  # fmt: skip
+          "  in log()  kernel CPU s  next cell after loop end")  # fmt: skip
     for name, values in loops.items():
         wall, used = statistics.median(values), statistics.median(cpu[name])
         print(
             f"  {name:14s} {wall:11.3f} {steps / wall:7.0f} {wall / base:6.3f}x {wall / bare:8.3f}x"
             f" {used:11.3f} {used / cpu_base:6.3f}x {statistics.median(in_log[name]):8.2%}"
+            f" {statistics.median(watching[name]):13.3f}"
             f"  {statistics.median(gaps[name]):.3f} s (max {max(gaps[name]):.3f} s)"
         )
 
