@@ -45,7 +45,7 @@ def png_size(data: bytes) -> tuple[int, int]:
 @pytest.fixture
 def board(capsys):
     clock = Clock()
-    dashboard = WidgetDashboard(clock)
+    dashboard = WidgetDashboard(clock, tick_s=None)  # redraws driven by events only
     dashboard.on_event(LaunchStarted(2, "fork", "cpu", "no", None))
     for rank in range(2):
         dashboard.on_event(RankStarted(rank, 1000 + rank, "cpu"))
@@ -108,6 +108,26 @@ def test_a_dashboard_failure_warns_once_and_never_ends_the_launch(board, monkeyp
     with pytest.warns(DashboardWarning, match="The launch dashboard stopped updating because of RuntimeError: frontend gone"):
         dashboard.on_event(RankMetric(0, {"loss": 0.5}, 0))
     dashboard.on_event(LaunchFinished("ok", 5.0))  # ignored quietly
+
+
+def test_what_the_throttle_held_back_is_drawn_while_ranks_are_silent(capsys):
+    import threading
+    import time
+
+    dashboard = WidgetDashboard(tick_s=0.05)
+    dashboard.on_event(LaunchStarted(1, "fork", "cpu", "no", None))
+    dashboard.on_event(RankStarted(0, 1000, "cpu"))
+    dashboard.on_event(OutputLine(0, "stdout", "first", False))
+    dashboard.on_event(OutputLine(0, "stdout", "then silence", False))  # within the interval
+    assert threading.active_count() >= 2
+    deadline = time.monotonic() + 30
+    while "then silence" not in dashboard.rows.value and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "then silence" in dashboard.rows.value
+    dashboard.on_event(RankFinished(0, 0, None))
+    dashboard.on_event(LaunchFinished("ok", 1.0))
+    assert not any(t.name == "notebook-launcher-dashboard" for t in threading.enumerate())
+    capsys.readouterr()
 
 
 def test_the_plot_has_one_panel_per_metric_and_grows_with_them():

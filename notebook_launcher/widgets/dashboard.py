@@ -1,16 +1,20 @@
 """The live launch dashboard in the cell, built from ipywidgets' own widgets.
 
-It is a launch observer: the launcher calls ``on_event`` from the cell's thread, and the
-widgets are updated from that same thread. Every event updates the record (cheap);
-widgets are redrawn at most a few times a second, the plot at most once a second (less
-when drawing takes long), so a rank that logs or prints thousands of times a second
-cannot flood the frontend or slow the launch. After the launch the dashboard stays in
-the cell as a record of final states, times and errors.
+It is a launch observer: the launcher calls ``on_event`` from the cell's thread, which
+updates the widgets. Every event updates the record (cheap); widgets are redrawn at most a
+few times a second, the plot at most once a second (less when drawing takes long), so a
+rank that logs or prints thousands of times a second cannot flood the frontend or slow
+the launch. Events only come when ranks do something, so a small ticker thread, alive
+only while the launch runs and serialised with the cell's thread by one lock, draws what
+the throttle held back (the last line before a long silence) and moves the elapsed times
+on. After the launch the dashboard stays in the cell as a record of final states, times
+and errors.
 """
 
 from __future__ import annotations
 
 import html
+import threading
 import time
 import warnings
 from typing import Any, Callable
@@ -28,6 +32,7 @@ PLOT_INTERVAL_S = 1.0
 # slow machine spends at most a fifth of the cell's thread on it.
 PLOT_COST_FACTOR = 5.0
 OUTPUT_LINES_SHOWN = 400
+TICK_S = 0.5  # how stale the dashboard may get while no event arrives
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
 
 
@@ -36,7 +41,7 @@ class DashboardWarning(RuntimeWarning):
 
 
 class WidgetDashboard:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, tick_s: float | None = TICK_S) -> None:
         import ipywidgets  # imported here: the launcher must import without it
 
         self._widgets: Any = ipywidgets
@@ -44,30 +49,67 @@ class WidgetDashboard:
         self.box: Any = None
         self._handle: Any = None
         self._broken = False
+        self._error: Exception | None = None  # what broke it, until warned about
+        self._lock = threading.Lock()
+        self._tick_s = tick_s
+        self._stopping = threading.Event()
+        self._ticker: threading.Thread | None = None
         self._shown = {"rows": -1, "output": -1, "curves": 0}
         self._last = {"rows": 0.0, "output": 0.0, "plot": 0.0}
         self._plot_cost = 0.0
         self.plot_draws = 0
 
     def on_event(self, event: LaunchEvent) -> None:
-        if self._broken:
-            return
-        try:
-            self.record.apply(event)
-            if isinstance(event, LaunchStarted):
-                self._build()
-            elif self.box is not None:
-                self._refresh(force=isinstance(event, LaunchFinished))
-                if isinstance(event, LaunchFinished):
-                    self._show_final_text()
-        except Exception as error:  # a display problem must never end a training run
-            self._broken = True
+        finished = isinstance(event, LaunchFinished)
+        if not self._broken:
+            with self._lock:
+                try:
+                    self.record.apply(event)
+                    if isinstance(event, LaunchStarted):
+                        self._build()
+                        self._start_ticker()
+                    elif self.box is not None:
+                        self._refresh(force=finished)
+                        if finished:
+                            self._show_final_text()
+                except Exception as error:  # a display problem must never end a training run
+                    self._broken, self._error = True, error
+        if finished:
+            self._stop_ticker()
+        if self._error is not None:
+            error, self._error = self._error, None
             warnings.warn(
                 f"The launch dashboard stopped updating because of {type(error).__name__}: "
                 f"{error}. The launch goes on; its output still appears in the cell.",
                 DashboardWarning,
                 stacklevel=2,
             )
+
+    # ---- the ticker ---------------------------------------------------------------------
+    def _start_ticker(self) -> None:
+        if self._tick_s is None:
+            return
+        self._ticker = threading.Thread(
+            target=self._tick, args=(self._tick_s,), name="notebook-launcher-dashboard", daemon=True
+        )
+        self._ticker.start()
+
+    def _tick(self, interval: float) -> None:
+        while not self._stopping.wait(interval):
+            with self._lock:
+                if self._broken or self.record.finished:
+                    return
+                try:
+                    self._refresh(force=False)
+                except Exception as error:  # reported by the cell's thread at its next event
+                    self._broken, self._error = True, error
+                    return
+
+    def _stop_ticker(self) -> None:
+        self._stopping.set()
+        if self._ticker is not None:
+            self._ticker.join()
+            self._ticker = None
 
     # ---- building ---------------------------------------------------------------------
     def _build(self) -> None:
