@@ -77,10 +77,10 @@ class WidgetDashboard:
         if finished:
             self._stop_ticker()
         if self._error is not None:
-            error, self._error = self._error, None
+            problem, self._error = self._error, None
             warnings.warn(
-                f"The launch dashboard stopped updating because of {type(error).__name__}: "
-                f"{error}. The launch goes on; its output still appears in the cell.",
+                f"The launch dashboard stopped updating because of {type(problem).__name__}: "
+                f"{problem}. The launch goes on; its output still appears in the cell.",
                 DashboardWarning,
                 stacklevel=2,
             )
