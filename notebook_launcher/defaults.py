@@ -354,4 +354,3 @@ def describe_launch(defaults: LaunchDefaults, report: HardwareReport) -> str:
     method = defaults.start_method or "auto"
     method_words = "start method chosen automatically" if method == "auto" else method
     return f"{ranks}, {precision_words}, {method_words}"
-
