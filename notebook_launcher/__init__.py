@@ -18,6 +18,7 @@ from notebook_launcher.server import (  # noqa: F401  (Jupyter finds its extensi
     _jupyter_labextension_paths,
     _jupyter_server_extension_points,
 )
+from notebook_launcher.widgets import configure
 
 try:
     __version__ = importlib.metadata.version("notebook-launcher")
@@ -66,6 +67,7 @@ __all__ = [
     "ProjectConfiguration",
     "RankFailedError",
     "__version__",
+    "configure",
     "debug_launcher",
     "notebook_launcher",
     "set_seed",

@@ -28,3 +28,28 @@ def remove_metric_sink(sink: MetricSink) -> None:
 def emit(rank: int, step: int | None, values: dict[str, Any]) -> None:
     for sink in list(_sinks):
         sink(rank, step, values)
+
+
+# Progress of the training core's tqdm bars, by the same route: (rank, n, total, description).
+ProgressSink = Callable[[int, int, "int | None", str], None]
+
+_progress_sinks: list[ProgressSink] = []
+
+
+def add_progress_sink(sink: ProgressSink) -> None:
+    if sink not in _progress_sinks:
+        _progress_sinks.append(sink)
+
+
+def remove_progress_sink(sink: ProgressSink) -> None:
+    if sink in _progress_sinks:
+        _progress_sinks.remove(sink)
+
+
+def has_progress_sink() -> bool:
+    return bool(_progress_sinks)
+
+
+def emit_progress(rank: int, n: int, total: int | None, description: str) -> None:
+    for sink in list(_progress_sinks):
+        sink(rank, n, total, description)

@@ -16,6 +16,7 @@ class CellRun:
     stderr: str = ""
     result: str | None = None
     error: dict | None = None  # ename, evalue, traceback
+    messages: list[dict] = dataclasses.field(default_factory=list)  # every iopub message, in order
 
 
 class RunningKernel:
@@ -51,6 +52,7 @@ class RunningKernel:
             if message["parent_header"].get("msg_id") != msg_id:
                 continue
             kind, content = message["msg_type"], message["content"]
+            cell.messages.append(message)
             if kind == "stream":
                 if content["name"] == "stdout":
                     cell.stdout += content["text"]

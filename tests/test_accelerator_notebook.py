@@ -48,7 +48,7 @@ def executed(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 def test_the_notebook_runs_without_errors_and_stores_no_outputs(executed: list[str]) -> None:
     stored = nbformat.read(NOTEBOOK, as_version=4)
     assert all(not cell.get("outputs") for cell in stored.cells if cell.cell_type == "code")
-    assert len(executed) == 6
+    assert len(executed) == 7
 
 
 def test_each_rank_reports_its_shard_and_together_they_cover_the_data(executed: list[str]) -> None:

@@ -10,21 +10,27 @@ from nbclient import NotebookClient
 
 pytestmark = pytest.mark.kernel
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
-def execute(name: str) -> list[str]:
+def execute(name: str) -> nbformat.NotebookNode:
     notebook = nbformat.read(EXAMPLES / name, as_version=4)
     NotebookClient(notebook, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(EXAMPLES)}}).execute()
-    texts = []
-    for cell in notebook.cells:
-        if cell.cell_type == "code":
-            texts.append("".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream"))
-    return texts
+    return notebook
+
+
+def streams(notebook: nbformat.NotebookNode) -> list[str]:
+    return [
+        "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+    ]
 
 
 def test_quickstart_trains_on_two_ranks_and_shows_what_each_did():
-    outputs = "\n".join(execute("01_quickstart.ipynb"))
+    notebook = execute("01_quickstart.ipynb")
+    outputs = "\n".join(streams(notebook))
     assert "[rank0]: rank 0 of 2: 128 samples, first index 0" in outputs
     assert "[rank1]: rank 1 of 2: 128 samples, first index 1" in outputs
     assert "[rank1]: rank 1 epoch 4: last batch loss" in outputs
@@ -33,3 +39,16 @@ def test_quickstart_trains_on_two_ranks_and_shows_what_each_did():
     assert all(abs(w - target) < 0.5 for w, target in zip(weights, range(1, 9)))
     assert "ranks agree: True" in outputs
     assert "caught: Rank 1 (pid" in outputs and "learning rate 10.0 is too large for rank 1" in outputs
+
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    panel = code[1].outputs
+    assert code[1].source.endswith("configure()") and WIDGET_VIEW in panel[0].data
+    # The training launch's dashboard: widgets, and as text its final record (what
+    # frontends without widgets show): both ranks done, each with its logged loss.
+    training = [o for o in code[3].outputs if o.output_type == "display_data"]
+    assert len(training) == 1 and WIDGET_VIEW in training[0].data
+    record = training[0].data["text/plain"].splitlines()
+    assert "finished after" in record[0]
+    for rank, line in zip((0, 1), record[2:]):
+        assert line.split()[:3] == [str(rank), "done", "cpu"] and "loss=" in line
+        assert "100% training: 40/40" in line  # the plain tqdm bar, read from its text

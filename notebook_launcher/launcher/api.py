@@ -12,6 +12,7 @@ from notebook_launcher.launcher.plan import LaunchCall, resolve_plan
 from notebook_launcher.launcher.printer import TextPrinter
 from notebook_launcher.launcher.run import execute
 from notebook_launcher.launcher.start_method import KernelState
+from notebook_launcher.widgets import dashboard_observer
 
 
 def notebook_launcher(
@@ -40,6 +41,7 @@ def notebook_launcher(
     observers: list[LaunchObserver] | None = None,
     backend: str = "auto",
     keep_result_devices: bool = False,
+    dashboard: bool | str = "auto",
 ) -> Any:
     """Run ``function(*args, **kwargs)`` on ``num_processes`` ranks of this machine.
 
@@ -63,11 +65,13 @@ def notebook_launcher(
             "forkserver" or "spawn".
         timeout: seconds after which a still-running launch is stopped with an error.
         output: "all" (every rank), "main" (rank 0 only) or "none".
-        observers: extra receivers of launch events (a dashboard).
+        observers: extra receivers of launch events.
         backend: "auto" (by the hardware), "local" (processes of this machine) or "ray".
         keep_result_devices: keep tensors in the return values on the device they were
             made on; by default they come back on the CPU, so that a result never
             initialises CUDA in the kernel.
+        dashboard: "auto" (a live dashboard of widgets in a notebook, text elsewhere),
+            True (the same, and an error where ipywidgets is missing) or False (none).
     """
     call = LaunchCall(
         num_processes=num_processes, mixed_precision=mixed_precision, use_port=use_port,
@@ -85,7 +89,9 @@ def notebook_launcher(
     # Read at call time: a default saved in the sidebar or chosen in configure() applies at once.
     plan = resolve_plan(call, effective_defaults(), detect_hardware(), kernel)
     printer = TextPrinter(plan.output, plan.prefix_template)
-    values = execute(plan, function, call_args, call_kwargs, [printer, *(observers or [])])
+    board = dashboard_observer(dashboard)
+    extra = [board] if board is not None else []
+    values = execute(plan, function, call_args, call_kwargs, [printer, *extra, *(observers or [])])
     return values if plan.return_all else values[0]
 
 

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 
 from notebook_launcher.errors import RankInputError
-from notebook_launcher.launcher.channel import Failure, Hello, Metric, RankMessage, Result
+from notebook_launcher.launcher.channel import Failure, Hello, Metric, Progress, RankMessage, Result
 from notebook_launcher.launcher.descendants import end_descendants
-from notebook_launcher.tracking import add_metric_sink
+from notebook_launcher.tracking import add_metric_sink, add_progress_sink
 
 if TYPE_CHECKING:
     from notebook_launcher.launcher.backends.base import RankEnds
@@ -67,6 +67,7 @@ def run_rank(
     _forked = not isinstance(payload, bytes)
     channel.send(Hello(os.getpid()))
     add_metric_sink(_forward_metric)
+    add_progress_sink(_forward_progress)
     _detach_from_kernel()
     _redirect_output(ends.stdout, ends.stderr)
     _apply_kernel_state(spec)
@@ -143,6 +144,11 @@ def _forward_metric(rank: int, step: int | None, values: dict[str, Any]) -> None
             numbers[name] = float(value)
     if numbers:
         send(Metric(numbers, step))
+
+
+def _forward_progress(rank: int, n: int, total: int | None, description: str) -> None:
+    """The training core's tqdm bars travel as numbers (for the dashboard's progress rows)."""
+    send(Progress(n, total, description))
 
 
 def _detach_from_kernel() -> None:

@@ -1,0 +1,215 @@
+"""What the live dashboard costs, measured in a real Jupyter kernel, side by side.
+
+1. Launch overhead: the same 2-rank launch (gloo init, one all_reduce, destroy) with the
+   widget dashboard on and off, interleaved in rounds; once as a bare job and once with a
+   job that logs 20 metrics and shows a tqdm bar (so the dashboard draws rows and a plot).
+2. A rank logging 1,000 metrics a second for 10 s: how long its loop of fixed work takes
+   with the dashboard on, off, and without the log calls at all; and how soon a cell
+   queued behind the launch starts after the rank's loop ended (the kernel kept up).
+
+Prints medians and ratios.
+
+    python benchmarks/bench_dashboard.py [--rounds 15] [--storm-seconds 10] [--storm-rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import statistics
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from jupyter_client.manager import KernelManager
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SETUP = """
+import json, time
+from notebook_launcher import notebook_launcher
+
+def bare_job():
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    dist.destroy_process_group()
+    return value.item()
+
+def logging_job():
+    import torch, torch.distributed as dist
+    from notebook_launcher import Accelerator
+    accelerator = Accelerator()
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    for step in accelerator.tqdm(range(20)):
+        accelerator.log({"loss": 1.0 / (step + 1)}, step=step)
+    return value.item()
+
+def kernel_cpu(launch):
+    # The kernel's own CPU time over a launch: what watching (and the dashboard) costs it.
+    started = time.process_time()
+    result = launch()
+    return [*result, time.process_time() - started]
+
+def timed(job, dashboard):
+    started = time.perf_counter()
+    notebook_launcher(job, num_processes=2, start_method="fork", output="none", dashboard=dashboard)
+    return time.perf_counter() - started
+
+def work(n):
+    total = 0
+    for i in range(n):
+        total += i * i
+    return total
+
+def calibrate(rate):
+    # The work that takes 1/rate s here; sized once, so every variant does the same work.
+    n, spent = 1000, 0.0
+    while spent < 0.5:
+        n *= 2
+        started = time.perf_counter(); work(n); spent = time.perf_counter() - started
+    return max(1, int(n / rate / spent))
+
+def storm(per_step, steps, log):
+    from notebook_launcher import Accelerator
+    accelerator = Accelerator()
+    in_log = 0.0  # time spent inside log(): where a kernel that cannot keep up would block
+    cpu_started = time.process_time()  # the loop's own CPU time: unmoved by other processes
+    started = time.perf_counter()
+    for step in range(steps):
+        work(per_step)
+        if log:
+            before = time.perf_counter()
+            accelerator.log({"loss": 1.0 / (step + 1), "lr": 0.1}, step=step)
+            in_log += time.perf_counter() - before
+    return time.perf_counter() - started, in_log, time.time(), time.process_time() - cpu_started
+"""
+
+
+class Kernel:
+    def __init__(self) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        self.manager = KernelManager(kernel_name="python3")
+        self.manager.start_kernel(env=env)
+        self.client = self.manager.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=120)
+        self.run(SETUP)
+
+    def run(self, code: str, timeout: float = 600) -> str:
+        return self.collect(self.client.execute(textwrap.dedent(code)), timeout)
+
+    def collect(self, msg_id: str, timeout: float = 600) -> str:
+        out, deadline = "", time.monotonic() + timeout
+        while True:
+            try:
+                message = self.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(out) from None
+                continue
+            if message["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = message["msg_type"], message["content"]
+            if kind == "stream" and content["name"] == "stdout":
+                out += content["text"]
+            elif kind == "error":
+                raise RuntimeError("\n".join(content["traceback"]))
+            elif kind == "status" and content["execution_state"] == "idle":
+                return out
+
+    def close(self) -> None:
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=True)
+
+
+def launch_overhead(kernel: Kernel, job: str, rounds: int) -> dict[str, list[float]]:
+    kernel.run(f"timed({job}, True); timed({job}, False)")  # warm: imports, forkserver, matplotlib
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for index in range(rounds):
+        order = ("on", "off") if index % 2 == 0 else ("off", "on")
+        for variant in order:
+            out = kernel.run(f"print(timed({job}, {variant == 'on'}))")
+            times[variant].append(float(out.strip()))
+    return times
+
+
+Series = dict[str, list[float]]
+
+
+def log_storm(kernel: Kernel, seconds: float, rounds: int) -> tuple[Series, Series, Series, Series, Series]:
+    variants = {"dashboard on": ("True", True), "dashboard off": ("False", True), "no log calls": ("False", False)}
+    loops: dict[str, list[float]] = {name: [] for name in variants}
+    in_log: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
+    kernel_cpu: dict[str, list[float]] = {name: [] for name in variants}
+    gaps: dict[str, list[float]] = {name: [] for name in variants}
+    per_step = int(kernel.run("print(calibrate(1000))").strip())
+    steps = int(seconds * 1000)
+    for index in range(rounds):
+        order = list(variants.items())
+        order = order[index % len(order):] + order[: index % len(order)]  # rotate: noise hits all
+        for name, (dashboard, log) in order:
+            launch = kernel.client.execute(
+                f"print(json.dumps(kernel_cpu(lambda: notebook_launcher(storm, args=({per_step}, {steps}, {log}), "
+                f"num_processes=1, start_method='fork', dashboard={dashboard}))))"
+            )
+            queued = kernel.client.execute("print(time.time())")  # waits behind the launch
+            loop_s, log_s, loop_end, cpu_s, kernel_s = json.loads(kernel.collect(launch).strip().splitlines()[-1])
+            cpu[name].append(cpu_s)
+            kernel_cpu[name].append(kernel_s)
+            started = float(kernel.collect(queued).strip())
+            loops[name].append(loop_s)
+            in_log[name].append(log_s / loop_s)
+            gaps[name].append(started - loop_end)
+    return loops, cpu, in_log, gaps, kernel_cpu
+
+
+def storm_report(kernel: Kernel, seconds: float, rounds: int) -> None:
+    print(f"\n1 rank logging 1,000 metrics/s for {seconds:g} s, {rounds} rotated rounds (medians):")
+    loops, cpu, in_log, gaps, watching = log_storm(kernel, seconds, rounds)
+    base, bare = statistics.median(loops["dashboard off"]), statistics.median(loops["no log calls"])
+    cpu_base = statistics.median(cpu["dashboard off"])
+    steps = int(seconds * 1000)
+    print("  variant        loop wall s  logs/s  vs off  vs no log   loop CPU s  vs off"
+          "  in log()  kernel CPU s  next cell after loop end")  # fmt: skip
+    for name, values in loops.items():
+        wall, used = statistics.median(values), statistics.median(cpu[name])
+        print(
+            f"  {name:14s} {wall:11.3f} {steps / wall:7.0f} {wall / base:6.3f}x {wall / bare:8.3f}x"
+            f" {used:11.3f} {used / cpu_base:6.3f}x {statistics.median(in_log[name]):8.2%}"
+            f" {statistics.median(watching[name]):13.3f}"
+            f"  {statistics.median(gaps[name]):.3f} s (max {max(gaps[name]):.3f} s)"
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--storm-seconds", type=float, default=10.0)
+    parser.add_argument("--storm-rounds", type=int, default=3)
+    parser.add_argument("--only", choices=("launch", "storm"), help="run one of the two parts")
+    options = parser.parse_args()
+    kernel = Kernel()
+    try:
+        if options.only != "storm":
+            print(f"2-rank launch in a Jupyter kernel, fork, {options.rounds} interleaved rounds (median s):")
+        for job in ("bare_job", "logging_job") if options.only != "storm" else ():
+            times = launch_overhead(kernel, job, options.rounds)
+            on, off = statistics.median(times["on"]), statistics.median(times["off"])
+            print(f"  {job:12s} dashboard off {off:.3f}   dashboard on {on:.3f}   ratio {on / off:.2f}x")
+        if options.only != "launch":
+            storm_report(kernel, options.storm_seconds, options.storm_rounds)
+    finally:
+        kernel.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""The dashboard's record of a launch, and its text and HTML forms, from launch events."""
+
+from __future__ import annotations
+
+import io
+
+from notebook_launcher.errors import RankFailure
+from notebook_launcher.launcher.events import (
+    LaunchFinished,
+    LaunchStarted,
+    OutputLine,
+    RankFinished,
+    RankMetric,
+    RankProgress,
+    RankStarted,
+)
+from notebook_launcher.widgets import html as views
+from notebook_launcher.widgets.record import POINTS_KEPT, LaunchRecord, failure_line
+from notebook_launcher.widgets.text import TextDashboard, summary
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def started(record, clock, ranks=2):
+    record.apply(LaunchStarted(ranks, "fork", "cpu", "bf16", None))
+    for rank in range(ranks):
+        record.apply(RankStarted(rank, 1000 + rank, "cpu"))
+
+
+def failure(rank=1, **fields) -> RankFailure:
+    defaults = {"pid": 1001, "exitcode": 1, "exception_type": "ValueError",
+                "message": "learning rate 10.0 is too large\nsecond line", "traceback": "Traceback..."}  # fmt: skip
+    return RankFailure(rank, **{**defaults, **fields})
+
+
+def test_rows_go_from_starting_to_running_to_their_final_state_with_times():
+    clock = Clock()
+    record = LaunchRecord(clock)
+    record.apply(LaunchStarted(2, "fork", "cpu", "no", None))
+    assert [row.state for row in record.rows.values()] == ["starting", "starting"]
+    record.apply(RankStarted(0, 1000, "cpu"))
+    record.apply(RankStarted(1, 1001, "cpu"))
+    assert record.rows[1].state == "running" and record.rows[1].pid == 1001
+    clock.now += 2.5
+    record.apply(RankFinished(0, 0, None))
+    record.apply(RankFinished(1, 1, failure(), "failed"))
+    clock.now += 10
+    assert record.rows[0].state == "done" and record.rows[0].elapsed(clock.now) == 2.5
+    assert record.rows[1].state == "failed"
+    assert record.rows[1].error == "ValueError: learning rate 10.0 is too large"
+
+
+def test_ranks_stopped_by_the_launcher_are_stopped_not_failed():
+    record = LaunchRecord(Clock())
+    started(record, None)
+    record.apply(RankFinished(0, -15, None, "stopped"))
+    assert record.rows[0].state == "stopped"
+
+
+def test_an_interrupted_launch_leaves_no_rank_running():
+    record = LaunchRecord(Clock())
+    started(record, None)
+    record.apply(LaunchFinished("interrupted", 3.0))
+    assert {row.state for row in record.rows.values()} == {"stopped"}
+
+
+def test_a_crash_without_exception_says_how_the_rank_ended():
+    killed = RankFailure(1, 1234, -9)
+    assert failure_line(killed).startswith("was killed by SIGKILL")
+    assert failure_line(RankFailure(0, None, 3)) == "exited with code 3 without raising an exception"
+
+
+def test_core_progress_wins_over_a_printed_bar_of_the_same_rank():
+    record = LaunchRecord(Clock())
+    started(record, None)
+    record.apply(OutputLine(0, "stderr", " 10%|#         | 10/100 [00:01<00:09, 9.9it/s]", True))
+    assert (record.rows[0].progress.n, record.rows[0].progress.total) == (10, 100)
+    assert record.rows[0].output_lines == 0  # a redraw is not a line of output
+    record.apply(RankProgress(0, 3, 8, "epoch"))
+    record.apply(OutputLine(0, "stderr", " 20%|##        | 20/100 [00:02<00:08, 9.9it/s]", True))
+    assert record.rows[0].progress.label() == "epoch: 3/8"
+
+
+def test_a_bars_final_line_counts_as_output_but_not_as_the_last_line():
+    record = LaunchRecord(Clock())
+    started(record, None)
+    final = "100%|##########| 40/40 [00:00<00:00, 97.2it/s]"
+    record.apply(OutputLine(1, "stderr", final, False))
+    assert record.rows[1].progress.fraction == 1.0
+    record.apply(OutputLine(1, "stdout", "epoch 4 done", False))
+    record.apply(OutputLine(1, "stderr", final, False))
+    assert record.rows[1].last_line == "epoch 4 done"  # the bar shows as progress instead
+    assert list(record.rows[1].output) == [f"[stderr] {final}", "epoch 4 done", f"[stderr] {final}"]
+
+
+def test_metrics_become_one_curve_per_rank_and_metric_bounded_in_size():
+    record = LaunchRecord(Clock())
+    started(record, None)
+    for step in range(3 * POINTS_KEPT):
+        record.apply(RankMetric(0, {"loss": 1 / (step + 1), "lr": 0.1}, step))
+    record.apply(RankMetric(1, {"loss": 0.5}, None))
+    assert set(record.curves) == {("loss", 0), ("lr", 0), ("loss", 1)}
+    curve = record.curves[("loss", 0)]
+    assert len(curve.values) <= POINTS_KEPT
+    assert curve.steps[0] == 0 and curve.steps[-1] == 3 * POINTS_KEPT - 1  # the whole range
+    assert curve.steps == sorted(curve.steps)
+    assert record.curves[("loss", 1)].steps == [0.0]  # no step given: the call's index
+
+
+def test_the_text_summary_has_every_rank_state_time_and_error():
+    clock = Clock()
+    record = LaunchRecord(clock)
+    started(record, clock)
+    record.apply(OutputLine(0, "stdout", "epoch 4: loss 0.01", False))
+    record.apply(RankMetric(0, {"loss": 0.0123456}, 4))
+    clock.now += 1.25
+    record.apply(RankFinished(1, 1, failure(), "failed"))
+    record.apply(RankFinished(0, -15, None, "stopped"))
+    record.apply(LaunchFinished("failed", 1.5))
+    lines = summary(record, clock.now).splitlines()
+    assert lines[0] == "notebook_launcher: 2 x cpu ranks, bf16, fork: failed after 1.5 s"
+    assert lines[1].split() == ["rank", "state", "device", "pid", "elapsed", "progress", "metrics",
+                                "last", "line", "/", "error"]  # fmt: skip
+    assert lines[2].split() == ["0", "stopped", "cpu", "1000", "1.2", "s", "-", "loss=0.01235",
+                                "epoch", "4:", "loss", "0.01"]  # fmt: skip
+    assert lines[3].split()[:5] == ["1", "failed", "cpu", "1001", "1.2"]
+    assert lines[3].endswith("ValueError: learning rate 10.0 is too large")
+
+
+def test_the_html_rows_mark_states_and_highlight_the_failing_rank():
+    record = LaunchRecord(Clock())
+    started(record, None)
+    record.apply(OutputLine(0, "stdout", "<b>not markup</b>", False))
+    record.apply(RankProgress(0, 5, 10, ""))
+    record.apply(RankFinished(1, 1, failure(), "failed"))
+    table = views.rows_html(record, 0.0)
+    assert 'class="nl-rank nl-running" data-rank="0"' in table
+    assert 'class="nl-rank nl-failed" data-rank="1" style="background: rgba(214, 39, 40, 0.12);"' in table
+    assert "ValueError: learning rate 10.0 is too large" in table
+    assert "&lt;b&gt;not markup&lt;/b&gt;" in table and "<b>not markup" not in table
+    assert "width: 50.0%" in table and "5/10" in table
+
+
+def test_the_text_dashboard_prints_status_at_most_once_an_interval_then_the_summary():
+    clock, out = Clock(), io.StringIO()
+    board = TextDashboard(stream=out, interval=10.0)
+    board.record = LaunchRecord(clock)
+    board.on_event(LaunchStarted(1, "fork", "cpu", "no", None))
+    board.on_event(RankStarted(0, 1000, "cpu"))
+    for step in range(1000):  # 1,000 metrics in 25 s
+        clock.now += 0.025
+        board.on_event(RankMetric(0, {"loss": 1.0 / (step + 1)}, step))
+    board.on_event(RankFinished(0, 0, None))
+    board.on_event(LaunchFinished("ok", 25.0))
+    lines = out.getvalue().splitlines()
+    status = [line for line in lines if "rank 0 running" in line]
+    assert len(status) == 2, lines
+    assert status[0].startswith("notebook_launcher: 10.0 s: rank 0 running - loss=")
+    assert lines[-3] == "notebook_launcher: 1 x cpu rank, fp32, fork: finished after 25.0 s"
+    assert lines[-1].split()[:3] == ["0", "done", "cpu"]
