@@ -12,12 +12,14 @@ from notebook_launcher.errors import (
     LaunchStoppedError,
     LaunchTimeoutError,
     RankFailedError,
+    SessionError,
 )
 from notebook_launcher.launcher.api import debug_launcher, notebook_launcher
 from notebook_launcher.server import (  # noqa: F401  (Jupyter finds its extensions here)
     _jupyter_labextension_paths,
     _jupyter_server_extension_points,
 )
+from notebook_launcher.session import Session
 
 try:
     __version__ = importlib.metadata.version("notebook-launcher")
@@ -36,6 +38,13 @@ _TRAINING_CORE = {
     "GradScalerKwargs",
     "set_seed",
 }
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext notebook_launcher``: the ``%distributed`` magics (IPython imported only now)."""
+    from notebook_launcher.session.magics import load_ipython_extension as load
+
+    load(ipython)
 
 
 def __getattr__(name: str) -> Any:
@@ -61,6 +70,8 @@ __all__ = [
     "LaunchStoppedError",
     "LaunchTimeoutError",
     "RankFailedError",
+    "Session",
+    "SessionError",
     "__version__",
     "debug_launcher",
     "notebook_launcher",
