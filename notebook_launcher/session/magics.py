@@ -29,9 +29,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parsers() -> tuple[_Parser, _Parser]:
-    line = _Parser(prog="%distributed", add_help=False)
+    line = _Parser(prog="%distributed", add_help=False, allow_abbrev=False)
     commands = line.add_subparsers(dest="command", parser_class=_Parser)
-    start = commands.add_parser("start", add_help=False)
+    start = commands.add_parser("start", add_help=False, allow_abbrev=False)
     start.add_argument("-n", "--num-processes", type=int, default=None)
     start.add_argument("--precision", default=None)
     start.add_argument("--start-method", default=None)
@@ -43,7 +43,7 @@ def _parsers() -> tuple[_Parser, _Parser]:
     pull.add_argument("--rank", type=int, default=0)
     for name in ("status", "restart", "stop"):
         commands.add_parser(name, add_help=False)
-    cell = _Parser(prog="%%distributed", add_help=False)
+    cell = _Parser(prog="%%distributed", add_help=False, allow_abbrev=False)
     cell.add_argument("--ranks", type=int, nargs="+", default=None)
     cell.add_argument("--return", dest="returns", nargs="+", default=[])
     return line, cell

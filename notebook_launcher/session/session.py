@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable
 
@@ -81,6 +82,8 @@ class Session:
         self._owned = set()
         self._stopped_from_outside = False
         self._ranks = ranks = SessionRanks(self.plan, self._observers)
+        # At interpreter exit multiprocessing would wait for the ranks forever: stop them first.
+        self._finalizer = weakref.finalize(self, ranks.close)
         try:
             ranks.pump(lambda: len(ranks.ready) == self.plan.num_processes, timeout=None)
             if ranks.exited:
@@ -118,7 +121,7 @@ class Session:
             self._watcher.join()
             self._watcher = None
         if self._ranks is not None:
-            self._ranks.close()
+            self._finalizer()  # closes the ranks, once
         if self._record is not None:
             self._record.close()
             self._record = None

@@ -1,0 +1,179 @@
+"""Sessions with real rank processes: state across calls, failures, interrupts, dead ranks, leaks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from notebook_launcher import RankFailedError, Session, SessionError
+from notebook_launcher.errors import LaunchTypeError
+from notebook_launcher.launcher.events import OutputLine
+
+from .conftest import rank_processes
+
+pytestmark = pytest.mark.slow
+
+ALL_REDUCE = "t = torch.ones(8) * (rank + 1)\ntorch.distributed.all_reduce(t)\nt.tolist()"
+
+
+@pytest.fixture(scope="module")
+def session():
+    with Session(num_processes=2, hardware="cpu") as running:
+        yield running
+
+
+def wait_until_dead(session: Session, within_s: float = 30.0) -> None:
+    deadline = time.monotonic() + within_s
+    while session.alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_close_leaves_nothing_behind(leak_check):
+    session = Session(num_processes=2, hardware="cpu")
+    session.execute(ALL_REDUCE)
+    assert len(rank_processes()) == 2  # runs first: no other session exists yet
+    session.close()
+    session.close()
+    assert not session.alive
+    with pytest.raises(SessionError, match=r"the session is closed; create a new Session \(or %distributed start\)"):
+        session.execute("1")
+
+
+def test_every_rank_starts_with_its_names_and_a_process_group(session):
+    values = session.execute(
+        "import torch.distributed as dist\n"
+        "(rank, local_rank, world_size, str(device), dist.get_rank(), dist.get_backend(), os_env)",
+        names={"os_env": None},
+    )
+    assert values == [(0, 0, 2, "cpu", 0, "gloo", None), (1, 1, 2, "cpu", 1, "gloo", None)]
+    assert session.execute("import os\nos.environ['RANK'], os.environ['WORLD_SIZE']") == [("0", "2"), ("1", "2")]
+
+
+def test_names_stay_on_each_rank_across_three_calls(session):
+    assert session.execute("x = rank * 10") == [None, None]
+    assert session.execute("x += 1\nx") == [1, 11]
+    assert session.execute("x * 2") == [2, 22]
+    assert session.execute("x", ranks=[1]) == [11]
+    assert session.execute("x", ranks=[1, 0]) == [11, 1]
+
+
+def test_a_collective_runs_on_every_rank(session):
+    assert session.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
+
+
+def test_run_push_and_pull(session):
+    def scaled(factor):
+        import torch.distributed as dist
+
+        return dist.get_rank() * factor
+
+    assert session.run(scaled, 5) == [0, 5]
+    session.push({"lr": 0.25})
+    assert session.pull("lr", rank=1) == 0.25
+    session.push({"lr": 0.5}, ranks=[0])
+    assert session.execute("lr") == [0.5, 0.25]
+    assert "lr" in session.owned_names
+
+
+def test_output_is_prefixed_with_the_rank(session, capsys):
+    session.execute("print('hello from', rank)")
+    out = capsys.readouterr().out
+    assert "[rank0]: hello from 0\n" in out and "[rank1]: hello from 1\n" in out
+
+
+def test_a_failing_rank_raises_its_own_error_and_interrupts_the_rank_waiting_in_a_collective(session):
+    session.execute("kept = rank + 100")
+    code = "\nif rank == 1:\n    raise ValueError(f'bad batch on rank {rank}')\nt = torch.ones(8)\ntorch.distributed.all_reduce(t)\n"
+    with pytest.raises(ValueError, match=r"^Rank 1 \(pid \d+\) raised ValueError: bad batch on rank 1\.") as caught:
+        session.execute(code, filename="In[12]")
+    error = caught.value
+    assert isinstance(error, RankFailedError)
+    text = str(error)
+    assert "Rank(s) 0 were still running the cell and were interrupted." in text
+    assert "the process group was rebuilt" in text
+    assert 'File "In[12]", line 3, in <module>' in text
+    assert "raise ValueError(f'bad batch on rank {rank}')" in text
+    assert error.failures[0].rank == 1
+    # The session goes on, names kept, collectives working again.
+    assert session.alive
+    assert session.execute("kept") == [100, 101]
+    assert session.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
+
+
+def test_the_stop_button_interrupts_every_rank_and_the_session_survives():
+    seen: list[int] = []
+
+    class StopButton:
+        """Presses stop (KeyboardInterrupt in the waiting kernel) once both ranks sleep."""
+
+        def on_event(self, event):
+            if isinstance(event, OutputLine) and "sleeping" in event.text:
+                seen.append(event.rank)
+                if len(seen) == 2:
+                    raise KeyboardInterrupt
+
+    with Session(num_processes=2, hardware="cpu", observers=[StopButton()]) as session:
+        session.execute("y = rank")
+        with pytest.raises(KeyboardInterrupt, match=r"the cell was interrupted on rank\(s\) 0, 1; the session is ready"):
+            session.execute("import time\nprint('sleeping', flush=True)\ntime.sleep(600)")
+        assert session.alive
+        assert session.execute("y") == [0, 1]
+        assert session.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
+
+
+def test_a_rank_killed_between_calls_is_noticed_and_named_then_restart_works():
+    with Session(num_processes=2, hardware="cpu") as session:
+        session.execute("z = 1")
+        victim = session.pids[1]
+        os.kill(victim, signal.SIGKILL)
+        wait_until_dead(session)
+        assert not session.alive
+        with pytest.raises(SessionError, match=rf"the session has no usable ranks: Rank 1 \(pid {victim}\) was killed by SIGKILL .*Restart the session \(session.restart\(\), or %distributed restart\)"):
+            session.execute("z")
+        session.restart()
+        assert session.alive
+        with pytest.raises(NameError, match="name 'z' is not defined"):
+            session.execute("z")
+        assert session.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
+
+
+def test_a_rank_that_exits_during_a_cell_ends_the_session_with_its_exit_code():
+    with Session(num_processes=2, hardware="cpu") as session:
+        code = "import os\nif rank == 1:\n    os._exit(3)\nt = torch.ones(8)\ntorch.distributed.all_reduce(t)"
+        with pytest.raises(RankFailedError, match=r"Rank 1 \(pid \d+\) exited with code 3 without raising an exception while running the cell; the session's other ranks were stopped"):
+            session.execute(code)
+        assert not session.alive
+
+
+def test_two_sessions_work_side_by_side():
+    with Session(num_processes=2, hardware="cpu") as first, Session(num_processes=2, hardware="cpu") as second:
+        first.execute("who = 'first'")
+        second.execute("who = 'second'")
+        assert first.execute(ALL_REDUCE) == second.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
+        assert first.execute("who") == ["first", "first"]
+        assert second.execute("who") == ["second", "second"]
+
+
+def test_forkserver_ranks_serve_too():
+    with Session(num_processes=2, hardware="cpu", start_method="forkserver") as session:
+        assert session.plan.start.method == "forkserver"
+        assert session.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
+
+
+def test_the_precision_reaches_the_ranks():
+    with Session(num_processes=2, hardware="cpu", mixed_precision="bf16") as session:
+        assert session.execute("import os\nos.environ['ACCELERATE_MIXED_PRECISION']") == ["bf16", "bf16"]
+
+
+def test_wrong_arguments_say_what_to_pass(session):
+    with pytest.raises(LaunchTypeError, match=r"ranks=\[2\]: 2 is not a rank of this session, which has ranks 0 to 1\."):
+        session.execute("1", ranks=[2])
+    with pytest.raises(LaunchTypeError, match=r"ranks=\[0, 0\] must name at least one rank, each once"):
+        session.execute("1", ranks=[0, 0])
+    with pytest.raises(LaunchTypeError, match=r"push\(\) takes a dict of variable names to values"):
+        session.push(["lr"])  # type: ignore[arg-type]
+    with pytest.raises(NameError, match=r"name 'nothing_here' is not defined on rank 1"):
+        session.pull("nothing_here", rank=1)
