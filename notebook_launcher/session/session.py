@@ -293,19 +293,24 @@ class Session:
         ranks.drain()
         for reply in replies.values():
             self._owned.update(reply.owned)
-        regrouped = False
-        if any(reply.group_broken for reply in replies.values()):
+        # A cell that failed or was interrupted on some rank may have left a collective
+        # half-done (queued on one rank, never joined by another): every rank replaces its
+        # process group, so the next cell's collectives pair up again.
+        regrouped = self.plan.num_processes > 1 and any(
+            reply.failure is not None or reply.group_broken for reply in replies.values()
+        )
+        if regrouped:
             self._regroup(ranks)
-            regrouped = True
+        cut_short = regrouped and any(r.group_broken for r in replies.values())
         if user_interrupt:
             raise KeyboardInterrupt(
                 f"the cell was interrupted on rank(s) {_names(targets)}"
-                + ("; the process group was rebuilt" if regrouped else "")
+                + ("; the process group was rebuilt" if cut_short else "")
                 + "; the session is ready for the next cell."
             )
         failed = [r for r in targets if replies[r].failure is not None and not replies[r].interrupted]
         if failed:
-            raise self._cell_error(replies, failed, still_running, regrouped)
+            raise self._cell_error(replies, failed, still_running, cut_short)
         return replies
 
     def _collect(
@@ -408,7 +413,7 @@ class Session:
         return RankFailedError("\n".join(lines), failures)
 
     def _cell_error(
-        self, replies: dict[int, Reply], failed: list[int], interrupted: list[int], regrouped: bool
+        self, replies: dict[int, Reply], failed: list[int], interrupted: list[int], cut_short: bool
     ) -> RankFailedError:
         pids = self.pids
         failures = []
@@ -426,10 +431,10 @@ class Session:
             lines.append(
                 f"Rank(s) {_names(stopped)} were still running the cell and were interrupted."
             )
-        if regrouped:
+        if cut_short:
             lines.append(
-                "A collective was cut short, so the process group was rebuilt; the next cell can "
-                "use collectives again, and the names defined so far are kept."
+                "A collective was cut short, so the process group was rebuilt; the next "
+                "cell can use collectives again, and the names defined so far are kept."
             )
         lines.append("The session is ready for the next cell.")
         failure = replies[root.rank].failure

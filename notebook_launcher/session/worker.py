@@ -117,6 +117,9 @@ class Worker:
                     peer.close()
 
     def _regroup(self, generation: int) -> None:
+        # A collective may still be queued in the old group (the cell was interrupted
+        # around it); cut it off first, or destroying the group would wait for it forever.
+        self._break_group()
         with contextlib.suppress(Exception):
             self._dist.destroy_process_group()
         self._init_group(generation)
