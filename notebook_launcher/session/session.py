@@ -15,7 +15,7 @@ from typing import Any, Callable
 import cloudpickle
 
 from notebook_launcher import registry
-from notebook_launcher.defaults import load_defaults
+from notebook_launcher.defaults import effective_defaults
 from notebook_launcher.errors import (
     LaunchStoppedError,
     LaunchTypeError,
@@ -28,8 +28,8 @@ from notebook_launcher.hardware import detect as detect_hardware
 from notebook_launcher.launcher import options
 from notebook_launcher.launcher.events import LaunchObserver
 from notebook_launcher.launcher.pickling import dump_payload
+from notebook_launcher.launcher.plan import LaunchCall, LaunchPlan, resolve_plan
 from notebook_launcher.launcher.printer import TextPrinter
-from notebook_launcher.launcher.processes import stop_all
 from notebook_launcher.launcher.start_method import KernelState
 from notebook_launcher.session.protocol import Call, Command, Execute, Pull, Push, Regroup, Reply
 from notebook_launcher.session.ranks import SessionRanks
@@ -60,7 +60,6 @@ class Session:
         output: str = "all",
         observers: list[LaunchObserver] | None = None,
     ) -> None:
-        options.check_not_inside_rank()
         self.plan = make_plan(num_processes, mixed_precision, start_method, hardware, output)
         self._observers: list[LaunchObserver] = [TextPrinter(self.plan.output), *(observers or [])]
         self._seq = 0
@@ -112,7 +111,7 @@ class Session:
         while not self._watch_stop.wait(_WAKE_S):
             if record.stop_requested():
                 self._stopped_from_outside = True
-                stop_all(ranks.ranks)
+                ranks.stop()
                 return
 
     def _release(self) -> None:
@@ -179,7 +178,7 @@ class Session:
         """True while every rank is up and the session can run code."""
         if self._closed or self._ranks is None or self._ended is not None:
             return False
-        if self._ranks.poll_exits() or self._stopped_from_outside:
+        if self._ranks.poll() or self._stopped_from_outside:
             self._end()
             return False
         return True
@@ -386,7 +385,6 @@ class Session:
         """A rank died (or the session was stopped): the others are stopped, the session unusable."""
         ranks = self._ranks
         if ranks is not None:
-            ranks.poll_exits()
             failures = [f for f in ranks.exited.values() if f is not None]
             if failures and self._ended is None:
                 self._ended = min(failures, key=lambda f: f.time)
@@ -458,28 +456,10 @@ def _names(ranks: Iterable[int]) -> str:
 
 def make_plan(
     num_processes: Any, mixed_precision: Any, start_method: Any, hardware: Any, output: Any = "all"
-) -> options.LaunchPlan:
-    """The same checks and defaults as ``notebook_launcher()``."""
-    saved = load_defaults()
-    with options.blame_saved_defaults(
-        num_processes is None and saved.num_processes is not None,
-        mixed_precision is None and saved.mixed_precision is not None,
-        start_method is None and saved.start_method is not None,
-    ):
-        report = detect_hardware()
-        accelerator = options.resolve_accelerator(hardware, report)
-        num = options.check_num_processes(
-            saved.num_processes if num_processes is None else num_processes, accelerator, report
-        )
-        precision = options.check_mixed_precision(
-            saved.mixed_precision if mixed_precision is None else mixed_precision, accelerator, report
-        )
-        start = options.choose_start(
-            saved.start_method if start_method is None else start_method, KernelState.detect()
-        )
-    return options.LaunchPlan(
-        num_processes=num, accelerator=accelerator, mixed_precision=precision, start=start,
-        master_addr="127.0.0.1", port=None, threads_per_rank=options.threads_per_rank(num, report),
-        timeout=None, monitor_interval=_WAKE_S, output=options.check_output(output),
-        prefix_template=None, return_all=True,
+) -> LaunchPlan:
+    """The launcher's own plan (same checks, defaults and messages) for the session's ranks."""
+    call = LaunchCall(
+        num_processes=num_processes, mixed_precision=mixed_precision, hardware=hardware,
+        start_method=start_method, output=output, return_all=True, monitor_interval=_WAKE_S,
     )
+    return resolve_plan(call, effective_defaults(), detect_hardware(), KernelState.detect())

@@ -23,7 +23,7 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from types import CodeType, TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
@@ -43,11 +43,21 @@ from notebook_launcher.session.protocol import (
     Shutdown,
 )
 
+if TYPE_CHECKING:
+    from notebook_launcher.launcher.backends.base import RankEnds
+    from notebook_launcher.launcher.rank import RankSpec
+
 # How long an interrupted cell may take to reach Python code again before the rank cuts
 # its process group's connections (a collective blocked in C++ never sees the signal).
 BREAK_AFTER_S = 1.0
 STORE_PREFIX = "notebook_launcher-session"
 BASE_NAMES = ("rank", "local_rank", "world_size", "device", "torch")
+
+
+def session_rank(spec: RankSpec, payload: Any, ends: RankEnds) -> None:
+    """Rank target: the launcher's own rank runner, running the serve loop on the command pipe."""
+    assert ends.commands is not None  # the group was started with_commands
+    rank_runner.run_rank(spec, (serve, (ends.commands,), {}), ends)
 
 
 def serve(commands: Connection) -> None:
