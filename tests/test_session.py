@@ -177,3 +177,17 @@ def test_wrong_arguments_say_what_to_pass(session):
         session.push(["lr"])  # type: ignore[arg-type]
     with pytest.raises(NameError, match=r"name 'nothing_here' is not defined on rank 1"):
         session.pull("nothing_here", rank=1)
+
+
+def test_a_session_is_listed_for_the_sidebar_and_its_stop_button_ends_it():
+    from notebook_launcher import registry
+
+    with Session(num_processes=2, hardware="cpu") as session:
+        (record,) = [r for r in registry.list_launches() if r.rank_pids == session.pids]
+        assert record.kind == "session" and record.num_processes == 2
+        assert registry.request_stop(record.launch_id)
+        wait_until_dead(session)
+        assert not session.alive
+        with pytest.raises(SessionError, match=r"the session has no usable ranks: it was stopped from the JupyterLab sidebar\. Restart the session"):
+            session.execute("1")
+        assert all(r.launch_id != record.launch_id for r in registry.list_launches())

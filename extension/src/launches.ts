@@ -81,6 +81,7 @@ export class LaunchesWidget extends Widget {
         });
     });
     const device = launch.accelerator === 'cuda' ? 'GPU' : launch.accelerator.toUpperCase();
+    const what = launch.kind === 'session' ? 'Session: ' : '';
     return h(
       'li',
       { className: 'jp-NotebookLauncher-launch', attrs: { 'data-launch-id': launch.launch_id } },
@@ -88,7 +89,7 @@ export class LaunchesWidget extends Widget {
         h('div', { className: 'jp-NotebookLauncher-launch-where', text: where, attrs: { title: where } }),
         h('div', {
           className: 'jp-NotebookLauncher-launch-what',
-          text: `${launch.num_processes} x ${device} rank${launch.num_processes === 1 ? '' : 's'}, ${launch.mixed_precision}, ${launch.start_method}`
+          text: `${what}${launch.num_processes} x ${device} rank${launch.num_processes === 1 ? '' : 's'}, ${launch.mixed_precision}, ${launch.start_method}`
         }),
         h('div', {
           className: 'jp-NotebookLauncher-launch-state',
