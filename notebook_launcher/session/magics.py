@@ -6,6 +6,7 @@ Loaded by ``%load_ext notebook_launcher``; IPython is imported only then.
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import sys
 from typing import Any
@@ -28,6 +29,7 @@ class _Parser(argparse.ArgumentParser):
         raise DistributedUsageError(f"{self.prog}: {message}. Usage: {self.format_usage().strip()}")
 
 
+@functools.cache  # building them costs about a millisecond a cell
 def _parsers() -> tuple[_Parser, _Parser]:
     line = _Parser(prog="%distributed", add_help=False, allow_abbrev=False)
     commands = line.add_subparsers(dest="command", parser_class=_Parser)

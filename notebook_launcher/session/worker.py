@@ -298,7 +298,9 @@ def _tcp_sockets() -> set[int]:
 
 def _dumps(value: Any) -> bytes:
     try:
-        return cloudpickle.dumps(value)
+        # Tensors come back on the CPU, as a launch's results do: rebuilt on a GPU in the
+        # kernel, they would initialise CUDA there.
+        return rank_runner.dump_result(value, keep_devices=False)
     except Exception:
         return cloudpickle.dumps(RemoteRepr(_safe_repr(value)))
 
