@@ -191,3 +191,63 @@ def test_a_session_is_listed_for_the_sidebar_and_its_stop_button_ends_it():
         with pytest.raises(SessionError, match=r"the session has no usable ranks: it was stopped from the JupyterLab sidebar\. Restart the session"):
             session.execute("1")
         assert all(r.launch_id != record.launch_id for r in registry.list_launches())
+
+
+class _StopButtonWhen:
+    """Presses stop (KeyboardInterrupt in the waiting kernel) once ``count`` lines contain ``text``."""
+
+    def __init__(self, text: str, count: int) -> None:
+        self.text, self.count, self.seen = text, count, 0
+
+    def on_event(self, event):
+        if isinstance(event, OutputLine) and self.text in event.text:
+            self.seen += 1
+            if self.seen == self.count:
+                raise KeyboardInterrupt
+
+
+def test_the_stop_button_also_frees_a_rank_blocked_in_a_collective():
+    with Session(num_processes=2, hardware="cpu", observers=[_StopButtonWhen("waiting", 2)]) as session:
+        code = (
+            "import time\n"
+            "if rank == 0:\n    print('waiting', flush=True)\n    torch.distributed.all_reduce(torch.ones(8))\n"
+            "else:\n    time.sleep(0.5)\n    print('waiting', flush=True)\n    time.sleep(600)\n"
+        )
+        with pytest.raises(KeyboardInterrupt, match=r"the cell was interrupted on rank\(s\) 0, 1"):
+            session.execute(code)
+        assert session.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
+
+
+def test_a_rank_that_ignores_the_interrupt_is_reported_and_a_second_interrupt_ends_the_session(capfd):
+    import threading
+
+    main = threading.main_thread().ident
+    with Session(num_processes=2, hardware="cpu", observers=[_StopButtonWhen("deaf", 2)]) as session:
+        def second_press() -> None:
+            deadline = time.monotonic() + 120
+            while "did not stop within" not in capfd.readouterr().err and time.monotonic() < deadline:
+                time.sleep(0.2)
+            signal.pthread_kill(main, signal.SIGINT)
+
+        presser = threading.Thread(target=second_press)
+        presser.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                session.execute(
+                    "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                    "print('deaf', flush=True)\ntime.sleep(600)"
+                )
+        finally:
+            presser.join()
+        assert not session.alive
+        with pytest.raises(SessionError, match=r"the session has no usable ranks: .*Restart the session"):
+            session.execute("1")
+
+
+def test_restart_of_a_closed_session_and_code_that_is_not_text_say_what_to_do():
+    session = Session(num_processes=1, hardware="cpu")
+    with pytest.raises(LaunchTypeError, match=r"code must be a string of Python source; got int\."):
+        session.execute(42)  # type: ignore[arg-type]
+    session.close()
+    with pytest.raises(SessionError, match=r"restart\(\) was called on a closed session; create a new Session"):
+        session.restart()
