@@ -68,6 +68,7 @@ class Session:
         self._stopped_from_outside = False
         self._ended: RankFailure | None = None  # set when a rank died: the session is unusable
         self._owned: set[str] = set()  # names some rank's own code bound
+        self.returned: dict[str, Any] = {}  # the ``returns`` names of the last execute(), from its first rank
         self._ranks: SessionRanks | None = None
         self._record: registry.RegisteredLaunch | None = None
         self._watch_stop = threading.Event()
@@ -216,7 +217,7 @@ class Session:
             targets, lambda seq: Execute(seq, code, name, blob, tuple(returns))
         )
         values = []
-        self.returned: dict[str, Any] = {}
+        self.returned = {}
         for position, rank in enumerate(targets):
             last, returned = cloudpickle.loads(replies[rank].value or cloudpickle.dumps((None, {})))
             values.append(last)
