@@ -176,7 +176,7 @@ def failures_and_interrupts(session: Any) -> None:
         session.execute(CELL)
     print("\nhow fast the caller hears of trouble, median of 5 (the next cell works each time)")
     print(f"  rank 1 raises while rank 0 waits in all_reduce -> exception: {statistics.median(failure_s) * 1e3:8.1f} ms "
-          "(includes cutting rank 0's collective after 1 s and rebuilding the process group)")
+          "(includes cutting rank 0's collective after 0.25 s and rebuilding the process group)")
     print(f"  stop button while both ranks sleep -> KeyboardInterrupt:    {statistics.median(interrupt_s) * 1e3:8.1f} ms")
 
 
