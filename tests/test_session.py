@@ -163,11 +163,6 @@ def test_forkserver_ranks_serve_too():
         assert session.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
 
 
-def test_the_precision_reaches_the_ranks():
-    with Session(num_processes=2, hardware="cpu", mixed_precision="bf16") as session:
-        assert session.execute("import os\nos.environ['ACCELERATE_MIXED_PRECISION']") == ["bf16", "bf16"]
-
-
 def test_wrong_arguments_say_what_to_pass(session):
     with pytest.raises(LaunchTypeError, match=r"ranks=\[2\]: 2 is not a rank of this session, which has ranks 0 to 1\."):
         session.execute("1", ranks=[2])
@@ -251,3 +246,12 @@ def test_restart_of_a_closed_session_and_code_that_is_not_text_say_what_to_do():
     session.close()
     with pytest.raises(SessionError, match=r"restart\(\) was called on a closed session; create a new Session"):
         session.restart()
+
+
+def test_the_training_core_works_inside_a_session_with_its_precision():
+    with Session(num_processes=2, hardware="cpu", mixed_precision="bf16") as session:
+        values = session.execute(
+            "from notebook_launcher import Accelerator\nacc = Accelerator()\n"
+            "(acc.process_index, acc.num_processes, acc.mixed_precision)"
+        )
+        assert values == [(0, 2, "bf16"), (1, 2, "bf16")]
