@@ -255,3 +255,11 @@ def test_the_training_core_works_inside_a_session_with_its_precision():
             "(acc.process_index, acc.num_processes, acc.mixed_precision)"
         )
         assert values == [(0, 2, "bf16"), (1, 2, "bf16")]
+
+
+def test_a_rank_that_segfaults_during_a_cell_is_named_with_its_crash_report():
+    with Session(num_processes=2, hardware="cpu") as session:
+        with pytest.raises(RankFailedError, match=r"Rank 1 \(pid \d+\) was killed by SIGSEGV \(segmentation fault\) while running the cell") as caught:
+            session.execute("import ctypes\nif rank == 1:\n    ctypes.string_at(0)\n")
+        assert "Fatal Python error: Segmentation fault" in str(caught.value)
+        assert not session.alive

@@ -44,6 +44,14 @@ def test_state_stays_on_the_ranks_across_three_cells_with_prefixed_output_and_va
     assert "[rank0]: line one\n" in second.stdout and "[rank1]: line two\n" in second.stdout
 
 
+def test_output_arrives_while_the_cell_still_runs(kernel):
+    msg_id = kernel.submit("%%distributed\nimport time\nprint('early', flush=True)\ntime.sleep(3)\nprint('late')")
+    seen = kernel.collect(msg_id, until="early")
+    assert "late" not in seen.stdout  # the cell is still sleeping: the line came live
+    rest = kernel.collect(msg_id)
+    assert rest.error is None and "[rank1]: late\n" in rest.stdout
+
+
 def test_notebook_names_go_to_the_ranks_and_return_brings_names_back(kernel):
     run_ok(kernel, "WIDTH = 4\ndef make(n):\n    return list(range(n))")
     run_ok(kernel, "%%distributed --return shard\nshard = make(WIDTH)[rank::world_size]")

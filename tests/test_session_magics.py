@@ -33,8 +33,11 @@ def test_a_cell_with_no_session_starts_one_with_the_defaults_and_says_so(ip, cap
 
 
 def test_start_status_and_state_across_cells(ip, capsys):
+    ip.run_line_magic("distributed", "start -n 1 --hardware cpu")
     ip.run_line_magic("distributed", "start -n 2 --hardware cpu")
-    assert "notebook_launcher: session started: 2 CPU ranks" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "notebook_launcher: session started: 2 CPU ranks" in out
+    assert out.strip().splitlines()[-1].endswith("The previous session was stopped.")
     ip.run_cell_magic("distributed", "", "count = rank")
     ip.run_cell_magic("distributed", "", "count += 10")
     assert ip.run_cell_magic("distributed", "", "count") == [10, 11]

@@ -91,11 +91,15 @@ class DistributedMagics(Magics):
 
     def _command(self, args: argparse.Namespace) -> Any:
         if args.command == "start":
+            replaced = self.session is not None
             if self.session is not None:
                 self.session.close()
                 self.session = None
             self.session = Session(args.num_processes, args.precision, args.start_method, args.hardware)
-            print(f"notebook_launcher: session started: {self.session.describe()}.")
+            print(
+                f"notebook_launcher: session started: {self.session.describe()}."
+                + (" The previous session was stopped." if replaced else "")
+            )
             return None
         if args.command == "status":
             print(f"notebook_launcher: {self.session.describe()}" if self.session else
