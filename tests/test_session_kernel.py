@@ -89,9 +89,10 @@ def test_the_stop_button_interrupts_both_sleeping_ranks_and_the_session_survives
 
 
 def test_a_rank_killed_between_cells_is_named_in_the_next_cell_and_restart_works(kernel):
-    pids = [p.pid for p in rank_processes(kernel.pid)]
-    assert len(pids) == 2
-    victim = max(pids)  # rank 1 starts second
+    status = run_ok(kernel, "%distributed status").stdout
+    pids = [int(pid) for pid in status.split("(pids ")[1].split(")")[0].split(", ")]  # in rank order
+    assert sorted(pids) == sorted(p.pid for p in rank_processes(kernel.pid))
+    victim = pids[1]
     os.kill(victim, signal.SIGKILL)
     time.sleep(0.5)
     status = run_ok(kernel, "%distributed status")
