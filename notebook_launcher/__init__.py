@@ -12,6 +12,7 @@ from notebook_launcher.errors import (
     LaunchStoppedError,
     LaunchTimeoutError,
     RankFailedError,
+    SessionError,
 )
 from notebook_launcher.launcher.api import debug_launcher, notebook_launcher
 from notebook_launcher.server import (  # noqa: F401  (Jupyter finds its extensions here)
@@ -19,6 +20,7 @@ from notebook_launcher.server import (  # noqa: F401  (Jupyter finds its extensi
     _jupyter_server_extension_points,
 )
 from notebook_launcher.widgets import configure
+from notebook_launcher.session import Session
 
 try:
     __version__ = importlib.metadata.version("notebook-launcher")
@@ -39,6 +41,13 @@ _TRAINING_CORE = {
     "ProjectConfiguration",
     "set_seed",
 }
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext notebook_launcher``: the ``%distributed`` magics (IPython imported only now)."""
+    from notebook_launcher.session.magics import load_ipython_extension as load
+
+    load(ipython)
 
 
 def __getattr__(name: str) -> Any:
@@ -66,6 +75,8 @@ __all__ = [
     "LaunchTimeoutError",
     "ProjectConfiguration",
     "RankFailedError",
+    "Session",
+    "SessionError",
     "__version__",
     "configure",
     "debug_launcher",

@@ -117,6 +117,10 @@ class LaunchStoppedError(LaunchError):
     """The launch was stopped from outside the cell (the JupyterLab sidebar)."""
 
 
+class SessionError(LaunchError):
+    """A session cannot run this: it was closed, or its ranks are gone (restart it)."""
+
+
 _typed_classes: dict[type[BaseException], type[RankFailedError]] = {}
 
 

@@ -25,9 +25,10 @@ class LaunchRecord:
     accelerator: str
     mixed_precision: str
     start_method: str
-    state: str  # "starting", "running" or "stopping"
+    state: str  # "starting", "running" or "stopping"; a session also "idle" between cells
     started_at: float  # seconds since the epoch
     rank_pids: list[int] = dataclasses.field(default_factory=list)
+    kind: str = "launch"  # "launch" (one function, then done) or "session" (ranks kept across cells)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -52,3 +52,27 @@ def test_quickstart_trains_on_two_ranks_and_shows_what_each_did():
     for rank, line in zip((0, 1), record[2:]):
         assert line.split()[:3] == [str(rank), "done", "cpu"] and "loss=" in line
         assert "100% training: 40/40" in line  # the plain tqdm bar, read from its text
+
+def test_session_notebook_teaches_cell_by_cell_on_two_ranks():
+    notebook = nbformat.read(EXAMPLES / "03_distributed_session.ipynb", as_version=4)
+    NotebookClient(notebook, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(EXAMPLES)}}).execute()
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    outputs = "\n".join(
+        "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream") for cell in code
+    )
+    assert "[rank0]: rank 0 of 2: local_rank 0, device cpu, backend gloo" in outputs
+    assert "[rank1]: rank 1 holds [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]" in outputs
+    assert "[rank0]: rank 0: my partial sum 30, after all_reduce 66" in outputs
+    assert "[rank1]: rank 1: my partial sum 36, after all_reduce 66" in outputs
+    before = [line.split(": ", 2)[2] for line in outputs.splitlines() if "before sync, rank" in line]
+    after = [line.split(": ", 2)[2] for line in outputs.splitlines() if "after sync,  rank" in line]
+    assert len(before) == len(after) == 2 and before[0] != before[1] and after[0] == after[1]
+    assert outputs.count("synced gradient is the mean of the local ones: True") == 2
+    assert "ranks agree after the step: True" in outputs
+    assert "[rank1]: rank 1: output torch.bfloat16, weights torch.float32" in outputs
+    errors = [o for cell in code for o in cell.outputs if o.output_type == "error"]
+    assert [e.ename for e in errors] == ["RankFailedError[ValueError]"]
+    assert "raised ValueError: rank 1 found a bad batch" in errors[0].evalue
+    assert ", line 3, in <module>" in errors[0].evalue
+    assert "[rank0]: rank 0 still has its model (Linear) and all_reduce works: 2" in outputs

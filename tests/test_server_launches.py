@@ -117,3 +117,12 @@ def test_stopping_an_unknown_launch_is_a_404_that_says_so(
     }
     assert not running.stop_requested()
     assert sorted(p.name for p in registry.registry_dir().iterdir()) == ["a1b2c3.json"]
+
+
+def test_a_session_is_listed_as_a_session(api: Api) -> None:
+    session = RegisteredLaunch(_record("5e5510", None, os.getpid(), kind="session"))
+    try:
+        launches = api("launches")[1]["launches"]
+    finally:
+        session.close()
+    assert [(x["launch_id"], x["kind"]) for x in launches] == [("5e5510", "session")]

@@ -76,6 +76,8 @@ export interface ILaunchInfo {
   state: string;
   started_at: number;
   rank_pids: number[];
+  /** "launch", or "session": ranks kept across cells (%distributed) */
+  kind?: string;
 }
 
 export interface ILaunchesReply {

@@ -103,6 +103,7 @@ export class LaunchesWidget extends Widget {
     });
     const device =
       launch.accelerator === 'cuda' ? 'GPU' : launch.accelerator.toUpperCase();
+    const what = launch.kind === 'session' ? 'Session: ' : '';
     return h(
       'li',
       {
@@ -117,7 +118,7 @@ export class LaunchesWidget extends Widget {
         }),
         h('div', {
           className: 'jp-NotebookLauncher-launch-what',
-          text: `${launch.num_processes} x ${device} rank${launch.num_processes === 1 ? '' : 's'}, ${launch.mixed_precision}, ${launch.start_method}`
+          text: `${what}${launch.num_processes} x ${device} rank${launch.num_processes === 1 ? '' : 's'}, ${launch.mixed_precision}, ${launch.start_method}`
         }),
         h('div', {
           className: 'jp-NotebookLauncher-launch-state',

@@ -94,6 +94,7 @@ class LaunchInfo(TypedDict):
     state: str
     started_at: float
     rank_pids: list[int]
+    kind: str  # "launch", or "session" (ranks kept across cells)
 
 
 class LaunchesReply(TypedDict):
@@ -217,6 +218,7 @@ class LaunchesHandler(_Handler):
                 state=r.state,
                 started_at=r.started_at,
                 rank_pids=list(r.rank_pids),
+                kind=r.kind,
             )
             for r in registry.list_launches()
         ]

@@ -1,0 +1,117 @@
+"""A session's ranks seen from the kernel: the launcher's rank group, driven command by command.
+
+The ranks are the launcher's own (a backend starts them; ``run_rank`` gives them the
+environment contract, fd-level output and the message channel), started ``with_commands``
+so each also reads a command pipe; the rank target runs the session's serve loop. The
+group's multiplexer is pumped from the calling thread only while the kernel waits for an
+answer, so each rank's output lands, prefixed, in the cell that asked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+import uuid
+from typing import Any, Callable
+
+from notebook_launcher.errors import RankFailure
+from notebook_launcher.launcher import backends
+from notebook_launcher.launcher.events import LaunchObserver
+from notebook_launcher.launcher.plan import LaunchPlan
+from notebook_launcher.launcher.rank_group import Rank, RankGroup, RankState
+from notebook_launcher.launcher.run import Emitter, rank_specs
+from notebook_launcher.launcher.store import RendezvousStore, bind_listener
+from notebook_launcher.session.protocol import Command, Ready, Reply
+from notebook_launcher.session.worker import session_rank
+
+
+class SessionRanks:
+    """Started ranks plus what it takes to talk to them; :meth:`close` frees all of it."""
+
+    def __init__(self, plan: LaunchPlan, observers: list[LaunchObserver]) -> None:
+        self.plan = plan
+        self.launch_id = uuid.uuid4().hex[:12]
+        self.replies: dict[tuple[int, int], Reply] = {}  # (rank, seq) -> reply
+        self.ready: dict[int, Ready] = {}
+        self._cleanup = contextlib.ExitStack()
+        try:
+            backend = backends.lookup(plan.backend)
+            backends.check_supports(backend, plan.accelerator)
+            backend.check(plan)
+            listener = bind_listener(plan.master_addr, plan.port)
+            self._cleanup.callback(listener.close)
+            store = RendezvousStore(listener, plan.world_size)
+            self._cleanup.callback(store.close)
+            self.group = RankGroup(
+                plan, backend, rank_specs(plan, self.launch_id, store.port), Emitter(observers),
+                launch_id=self.launch_id, with_commands=True,
+            )
+            self._cleanup.callback(self.group.close)
+            self.group.start(None, target=session_rank)
+        except BaseException:
+            self._cleanup.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [rank.pid for rank in self.group.ranks if rank.pid is not None]
+
+    @property
+    def exited(self) -> dict[int, RankFailure | None]:
+        """Ranks that ended, with how (None: the group stopped it)."""
+        failures = {failure.rank: failure for failure in self.group.outcome.failures}
+        return {r.rank: failures.get(r.rank) for r in self.group.ranks if r.state == RankState.EXITED}
+
+    def send(self, rank: int, command: Command) -> None:
+        try:
+            self.group.send(rank, command)
+        except OSError:
+            self.group.watch(0.0)  # the rank is gone; its end says how
+
+    def interrupt(self, ranks: list[int]) -> None:
+        """SIGINT to the ranks themselves (not their children, which are not running a cell)."""
+        for index in ranks:
+            rank = self.group.ranks[index]
+            if rank.state == RankState.RUNNING and rank.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(rank.pid, signal.SIGINT)
+
+    def stop(self) -> None:
+        """Ask every rank to end (from any thread: only signals and flags)."""
+        for rank in self.group.ranks:
+            rank.request_stop(signal.SIGTERM)
+
+    def any_ended(self) -> bool:
+        return any(rank.state != RankState.RUNNING for rank in self.group.ranks)
+
+    def poll(self) -> bool:
+        """One look without waiting (output, messages, ends); True when a rank has ended."""
+        self.group.watch(0.0)
+        return self.any_ended()
+
+    def pump(self, done: Callable[[], bool], timeout: float | None) -> None:
+        """Handle output, messages and ends until ``done()``, a rank ends, or ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def until() -> bool:
+            if done() or self.any_ended():
+                return True
+            return deadline is not None and time.monotonic() >= deadline
+
+        self.group.run(until=until, on_message=self._on_message)
+
+    def drain(self) -> None:
+        """Show what the ranks wrote before their replies (already in the pipes)."""
+        self.group.watch(0.0)
+
+    def _on_message(self, rank: Rank, message: Any) -> None:
+        if isinstance(message, Reply):
+            self.replies[(rank.rank, message.seq)] = message
+        elif isinstance(message, Ready):
+            self.ready[rank.rank] = message
+
+    def close(self) -> None:
+        """Stop every rank (time-limited) and free the store, pipes and descriptors; idempotent."""
+        self._cleanup.close()

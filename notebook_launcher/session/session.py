@@ -1,0 +1,466 @@
+"""``Session``: ranks that stay alive across cells, driven from the kernel one command at a time."""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+import os
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Callable
+
+import cloudpickle
+
+from notebook_launcher import registry
+from notebook_launcher.defaults import effective_defaults
+from notebook_launcher.errors import (
+    LaunchStoppedError,
+    LaunchTypeError,
+    RankFailedError,
+    RankFailure,
+    SessionError,
+    rank_failed_error_class,
+)
+from notebook_launcher.hardware import detect as detect_hardware
+from notebook_launcher.launcher import options
+from notebook_launcher.launcher.events import LaunchObserver
+from notebook_launcher.launcher.pickling import dump_payload
+from notebook_launcher.launcher.plan import LaunchCall, LaunchPlan, resolve_plan
+from notebook_launcher.launcher.printer import TextPrinter
+from notebook_launcher.launcher.start_method import KernelState
+from notebook_launcher.session.protocol import Call, Command, Execute, Pull, Push, Regroup, Reply
+from notebook_launcher.session.ranks import SessionRanks
+
+# While waiting for an answer the kernel wakes this often (to warn about ranks that ignore
+# an interrupt); there is no limit on how long a cell may run.
+_WAKE_S = 0.5
+_STUCK_AFTER_S = 5.0  # after an interrupt: say so when ranks are not back by then
+_RESTART_HINT = "Restart the session (session.restart(), or %distributed restart) for new ranks"
+
+
+class Session:
+    """``num_processes`` ranks with torch.distributed set up once, kept across cells.
+
+    Each rank has its own namespace holding ``rank``, ``local_rank``, ``world_size``,
+    ``device`` and ``torch``; what code run there defines stays for later calls. Arguments
+    left as None take the saved launch defaults, else the hardware's (as
+    ``notebook_launcher()`` does). Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        num_processes: int | None = None,
+        mixed_precision: str | None = None,
+        start_method: str | None = None,
+        hardware: str = "auto",
+        *,
+        output: str = "all",
+        observers: list[LaunchObserver] | None = None,
+    ) -> None:
+        self.plan = make_plan(num_processes, mixed_precision, start_method, hardware, output)
+        self._observers: list[LaunchObserver] = [TextPrinter(self.plan.output), *(observers or [])]
+        self._seq = 0
+        self._generation = 0
+        self._closed = False
+        self._stopped_from_outside = False
+        self._ended: RankFailure | None = None  # set when a rank died: the session is unusable
+        self._owned: set[str] = set()  # names some rank's own code bound
+        self.returned: dict[str, Any] = {}  # the ``returns`` names of the last execute(), from its first rank
+        self._ranks: SessionRanks | None = None
+        self._record: registry.RegisteredLaunch | None = None
+        self._watch_stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._start()
+
+    # Life cycle ----------------------------------------------------------------------
+
+    def _start(self) -> None:
+        self._ended = None
+        self._owned = set()
+        self._stopped_from_outside = False
+        self._ranks = ranks = SessionRanks(self.plan, self._observers)
+        # At interpreter exit multiprocessing would wait for the ranks forever: stop them first.
+        self._finalizer = weakref.finalize(self, ranks.close)
+        try:
+            ranks.pump(lambda: len(ranks.ready) == self.plan.num_processes, timeout=None)
+            if ranks.exited:
+                raise self._death_error(during="while the session started")
+        except BaseException:
+            self._release()
+            raise
+        self._record = registry.RegisteredLaunch(
+            registry.LaunchRecord(
+                launch_id=ranks.launch_id, kernel_id=registry.current_kernel_id(),
+                kernel_pid=os.getpid(), num_processes=self.plan.num_processes,
+                accelerator=self.plan.accelerator, mixed_precision=self.plan.mixed_precision,
+                start_method=self.plan.start.method, state="running", started_at=time.time(),
+                rank_pids=ranks.pids, kind="session",
+            )
+        )
+        self._watch_stop.clear()
+        self._watcher = threading.Thread(
+            target=self._watch_sidebar, args=(self._record, ranks), daemon=True,
+            name=f"notebook_launcher-session-{ranks.launch_id}",
+        )
+        self._watcher.start()
+
+    def _watch_sidebar(self, record: registry.RegisteredLaunch, ranks: SessionRanks) -> None:
+        """The sidebar's Stop works between cells too: nothing else runs in the kernel then."""
+        while not self._watch_stop.wait(_WAKE_S):
+            if record.stop_requested():
+                self._stopped_from_outside = True
+                ranks.stop()
+                return
+
+    def _release(self) -> None:
+        self._watch_stop.set()
+        if self._watcher is not None:
+            self._watcher.join()
+            self._watcher = None
+        if self._ranks is not None:
+            self._finalizer()  # closes the ranks, once
+        if self._record is not None:
+            self._record.close()
+            self._record = None
+
+    def close(self) -> None:
+        """Stop every rank and free everything the session holds; calling it again is harmless."""
+        if self._closed:
+            return
+        self._closed = True
+        self._release()
+
+    def restart(self) -> None:
+        """New ranks with the same settings. Every name defined on the old ranks is gone."""
+        if self._closed:
+            raise SessionError(
+                "restart() was called on a closed session; create a new Session (or "
+                "%distributed start) instead."
+            )
+        self._release()
+        self._start()
+        print(
+            f"notebook_launcher: restarted the session with {self.plan.num_processes} new "
+            "ranks; names defined on the old ranks are gone.",
+            file=sys.stderr,
+        )
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Session: {self.describe()}>"
+
+    def describe(self) -> str:
+        plan = self.plan
+        device = "GPU" if plan.accelerator == "cuda" else plan.accelerator.upper()
+        what = (
+            f"{plan.num_processes} {device} rank{'s' if plan.num_processes != 1 else ''}, "
+            f"mixed_precision={plan.mixed_precision}, start_method={plan.start.method}"
+        )
+        if self._closed:
+            return f"{what}; closed"
+        if not self.alive:
+            return f"{what}; stopped: {self._why_unusable()}"
+        return f"{what}; alive (pids {', '.join(str(p) for p in self.pids)})"
+
+    @property
+    def pids(self) -> list[int]:
+        return [] if self._ranks is None else self._ranks.pids
+
+    @property
+    def alive(self) -> bool:
+        """True while every rank is up and the session can run code."""
+        if self._closed or self._ranks is None or self._ended is not None:
+            return False
+        if self._ranks.poll() or self._stopped_from_outside:
+            self._end()
+            return False
+        return True
+
+    # Running code --------------------------------------------------------------------
+
+    def run(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """``function(*args, **kwargs)`` on every rank; every rank's return value, in rank order."""
+        options.check_function(function)
+        payload = dump_payload(function, args, kwargs)
+        replies = self._roundtrip(self._all(), lambda seq: Call(seq, payload))
+        return [cloudpickle.loads(replies[r].value or cloudpickle.dumps(None)) for r in self._all()]
+
+    def execute(
+        self,
+        code: str,
+        ranks: Sequence[int] | None = None,
+        *,
+        names: Mapping[str, Any] | None = None,
+        returns: Sequence[str] = (),
+        filename: str | None = None,
+    ) -> list[Any]:
+        """Run ``code`` on the ranks (all, or ``ranks`` in that order); the value of its last
+        expression on each (None when it ends with a statement).
+
+        ``names`` are put into each rank's namespace first; ``returns`` names are read back
+        afterwards (see :attr:`returned`).
+        """
+        if not isinstance(code, str):
+            raise LaunchTypeError(f"code must be a string of Python source; got {type(code).__name__}.")
+        targets = self._targets(ranks)
+        blob = cloudpickle.dumps(dict(names or {}))
+        name = filename or f"<session cell {self._seq + 1}>"
+        replies = self._roundtrip(
+            targets, lambda seq: Execute(seq, code, name, blob, tuple(returns))
+        )
+        values = []
+        self.returned = {}
+        for position, rank in enumerate(targets):
+            last, returned = cloudpickle.loads(replies[rank].value or cloudpickle.dumps((None, {})))
+            values.append(last)
+            if position == 0:
+                self.returned = returned
+        return values
+
+    def push(self, names: Mapping[str, Any], ranks: Sequence[int] | None = None) -> None:
+        """Put ``names`` into the namespace of every rank (or of ``ranks``)."""
+        if not isinstance(names, Mapping) or not all(isinstance(k, str) and k.isidentifier() for k in names):
+            raise LaunchTypeError(
+                f"push() takes a dict of variable names to values, such as {{'lr': 0.1}}; got {names!r}."
+            )
+        blob = cloudpickle.dumps(dict(names))
+        self._roundtrip(self._targets(ranks), lambda seq: Push(seq, blob))
+
+    def pull(self, name: str, rank: int = 0) -> Any:
+        """The value of ``name`` in one rank's namespace."""
+        (target,) = self._targets([rank])
+        reply = self._roundtrip([target], lambda seq: Pull(seq, name))[target]
+        return cloudpickle.loads(reply.value or cloudpickle.dumps(None))
+
+    @property
+    def owned_names(self) -> set[str]:
+        """Names that code on the ranks bound (or that were pushed): notebook values never replace them."""
+        return set(self._owned)
+
+    def _all(self) -> list[int]:
+        return list(range(self.plan.num_processes))
+
+    def _targets(self, ranks: Iterable[int] | int | None) -> list[int]:
+        if ranks is None:
+            return self._all()
+        given: list[Any] = [ranks] if isinstance(ranks, numbers.Integral) else list(ranks)  # type: ignore[arg-type]
+        world = self.plan.num_processes
+        for rank in given:
+            if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= int(rank) < world:
+                raise LaunchTypeError(
+                    f"ranks={given!r}: {rank!r} is not a rank of this session, which has "
+                    f"ranks 0 to {world - 1}."
+                )
+        if not given or len(set(given)) != len(given):
+            raise LaunchTypeError(
+                f"ranks={given!r} must name at least one rank, each once (ranks 0 to {world - 1})."
+            )
+        return [int(r) for r in given]
+
+    # One command on some ranks, with every way it can end -----------------------------
+
+    def _check_usable(self) -> SessionRanks:
+        if self._closed:
+            raise SessionError(
+                "the session is closed; create a new Session (or %distributed start) to run code on ranks."
+            )
+        if not self.alive or self._ranks is None:
+            raise SessionError(f"the session has no usable ranks: {self._why_unusable()}. {_RESTART_HINT}; names defined on the old ranks are lost.")
+        return self._ranks
+
+    def _why_unusable(self) -> str:
+        if self._stopped_from_outside:
+            return "it was stopped from the JupyterLab sidebar"
+        if self._ended is not None:
+            return self._ended.summary()
+        return "its ranks are gone"
+
+    def _roundtrip(self, targets: list[int], make: Callable[[int], Command]) -> dict[int, Reply]:
+        ranks = self._check_usable()
+        self._seq += 1
+        seq = self._seq
+        for rank in targets:
+            ranks.send(rank, make(seq))
+        replies, user_interrupt, still_running = self._collect(ranks, seq, targets)
+        ranks.drain()
+        for reply in replies.values():
+            self._owned.update(reply.owned)
+        # A cell that failed or was interrupted on some rank may have left a collective
+        # half-done (queued on one rank, never joined by another): every rank replaces its
+        # process group, so the next cell's collectives pair up again.
+        regrouped = self.plan.num_processes > 1 and any(
+            reply.failure is not None or reply.group_broken for reply in replies.values()
+        )
+        if regrouped:
+            self._regroup(ranks)
+        cut_short = regrouped and any(r.group_broken for r in replies.values())
+        if user_interrupt:
+            raise KeyboardInterrupt(
+                f"the cell was interrupted on rank(s) {_names(targets)}"
+                + ("; the process group was rebuilt" if cut_short else "")
+                + "; the session is ready for the next cell."
+            )
+        failed = [r for r in targets if replies[r].failure is not None and not replies[r].interrupted]
+        if failed:
+            raise self._cell_error(replies, failed, still_running, cut_short)
+        return replies
+
+    def _collect(
+        self, ranks: SessionRanks, seq: int, targets: list[int]
+    ) -> tuple[dict[int, Reply], bool, list[int]]:
+        """Wait, with no time limit, for every target's answer, a rank's death or an interrupt."""
+        pending = list(targets)
+        replies: dict[int, Reply] = {}
+        user_interrupt = False
+        interrupted_at: float | None = None
+        interrupted: list[int] = []  # still running when another rank failed
+        warned = False
+        while pending:
+            try:
+                ranks.pump(lambda: any((r, seq) in ranks.replies for r in pending), timeout=_WAKE_S)
+            except KeyboardInterrupt:
+                if user_interrupt:  # a second interrupt: the ranks are not coming back
+                    self._end()
+                    raise
+                user_interrupt = True
+                ranks.interrupt(pending)
+                interrupted_at = time.monotonic()
+                continue
+            for rank in list(pending):
+                reply = ranks.replies.pop((rank, seq), None)
+                if reply is None:
+                    continue
+                replies[rank] = reply
+                pending.remove(rank)
+                if reply.failure is not None and not reply.interrupted and interrupted_at is None and pending:
+                    interrupted = list(pending)
+                    ranks.interrupt(pending)
+                    interrupted_at = time.monotonic()
+            if ranks.exited or self._stopped_from_outside:
+                self._end()
+                if self._stopped_from_outside:
+                    raise LaunchStoppedError(
+                        "the session was stopped from the JupyterLab sidebar; its ranks are gone. "
+                        f"{_RESTART_HINT}."
+                    )
+                raise self._death_error(during="while running the cell")
+            if interrupted_at is not None and not warned and time.monotonic() - interrupted_at > _STUCK_AFTER_S:
+                warned = True
+                print(
+                    f"notebook_launcher: rank(s) {_names(pending)} did not stop within "
+                    f"{_STUCK_AFTER_S:g}s of the interrupt. Interrupt the kernel again to stop "
+                    "every rank (the session then needs a restart).",
+                    file=sys.stderr,
+                )
+        return replies, user_interrupt, interrupted
+
+    def _regroup(self, ranks: SessionRanks) -> None:
+        """Every rank replaces its process group, after a collective was cut short."""
+        self._generation += 1
+        self._seq += 1
+        seq, everyone = self._seq, self._all()
+        for rank in everyone:
+            ranks.send(rank, Regroup(seq, self._generation))
+        try:
+            ranks.pump(lambda: all((r, seq) in ranks.replies for r in everyone), timeout=None)
+        except KeyboardInterrupt:
+            self._end()
+            raise
+        replies = [ranks.replies.pop((r, seq), None) for r in everyone]
+        if ranks.exited or any(reply is None or reply.failure is not None for reply in replies):
+            self._end()
+            raise SessionError(
+                "a collective was interrupted and left the process group broken, and it could "
+                f"not be rebuilt. {_RESTART_HINT}; names defined on the old ranks are lost."
+            )
+
+    def _end(self) -> None:
+        """A rank died (or the session was stopped): the others are stopped, the session unusable."""
+        ranks = self._ranks
+        if ranks is not None:
+            failures = [f for f in ranks.exited.values() if f is not None]
+            if failures and self._ended is None:
+                self._ended = min(failures, key=lambda f: f.time)
+        if self._ended is None:
+            self._ended = RankFailure(rank=-1, pid=None, exitcode=None, exception_type="SessionEnded")
+        self._release()
+
+    def _death_error(self, during: str) -> RankFailedError:
+        ranks = self._ranks
+        failures = sorted(
+            (f for f in (ranks.exited.values() if ranks else ()) if f is not None), key=lambda f: f.time
+        )
+        if not failures:
+            return RankFailedError(f"the session's ranks ended {during}. {_RESTART_HINT}.", [])
+        root = failures[0]
+        lines = [
+            f"{root.summary()} {during}; the session's other ranks were stopped. {_RESTART_HINT}; "
+            "names defined on the old ranks are lost."
+        ]
+        if root.traceback:
+            lines += ["", f"Traceback from rank {root.rank}:", root.traceback.rstrip()]
+        elif root.output_tail:
+            lines += ["", f"Last output of rank {root.rank}:", root.output_tail]
+        return RankFailedError("\n".join(lines), failures)
+
+    def _cell_error(
+        self, replies: dict[int, Reply], failed: list[int], interrupted: list[int], cut_short: bool
+    ) -> RankFailedError:
+        pids = self.pids
+        failures = []
+        for rank in failed:
+            f = replies[rank].failure
+            assert f is not None
+            failures.append(RankFailure(rank, pids[rank], None, f.exception_type, f.message, f.traceback, time=f.time))
+        failures.sort(key=lambda f: f.time)
+        root = failures[0]
+        lines = [f"{root.summary()}."]
+        for later in failures[1:]:
+            lines.append(f"Also, {later.summary()[0].lower()}{later.summary()[1:]}.")
+        stopped = [r for r in interrupted if replies[r].interrupted]
+        if stopped:
+            lines.append(
+                f"Rank(s) {_names(stopped)} were still running the cell and were interrupted."
+            )
+        if cut_short:
+            lines.append(
+                "A collective was cut short, so the process group was rebuilt; the next "
+                "cell can use collectives again, and the names defined so far are kept."
+            )
+        lines.append("The session is ready for the next cell.")
+        failure = replies[root.rank].failure
+        assert failure is not None
+        lines += ["", f"Traceback from rank {root.rank}:", failure.traceback.rstrip()]
+        remote: BaseException | None = None
+        if failure.exception is not None:
+            with contextlib.suppress(Exception):  # its class may not exist in the kernel
+                remote = cloudpickle.loads(failure.exception)
+        error = rank_failed_error_class(type(remote) if remote is not None else None)(
+            "\n".join(lines), failures
+        )
+        if remote is not None:
+            error.__cause__ = remote
+        return error
+
+
+def _names(ranks: Iterable[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def make_plan(
+    num_processes: Any, mixed_precision: Any, start_method: Any, hardware: Any, output: Any = "all"
+) -> LaunchPlan:
+    """The launcher's own plan (same checks, defaults and messages) for the session's ranks."""
+    call = LaunchCall(
+        num_processes=num_processes, mixed_precision=mixed_precision, hardware=hardware,
+        start_method=start_method, output=output, return_all=True, monitor_interval=_WAKE_S,
+    )
+    return resolve_plan(call, effective_defaults(), detect_hardware(), KernelState.detect())

@@ -1,0 +1,339 @@
+"""The rank side of a session: set up once, then run the kernel's commands until told to stop.
+
+``serve`` is the function the launcher's rank runner calls, so a session rank gets the
+launcher's environment contract, output redirection at fd level, kernel-death handling and
+failure reporting unchanged; what is added here is a loop over commands and a namespace
+that lives across cells.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import contextlib
+import linecache
+import os
+import signal
+import socket
+import stat
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from types import CodeType, TracebackType
+from typing import TYPE_CHECKING, Any
+
+import cloudpickle
+
+from notebook_launcher import rank_env
+from notebook_launcher.launcher import rank as rank_runner
+from notebook_launcher.launcher.channel import Failure
+from notebook_launcher.session.protocol import (
+    Call,
+    Command,
+    Execute,
+    Pull,
+    Push,
+    Ready,
+    Regroup,
+    RemoteRepr,
+    Reply,
+    Shutdown,
+)
+
+if TYPE_CHECKING:
+    from notebook_launcher.launcher.backends.base import RankEnds
+    from notebook_launcher.launcher.rank import RankSpec
+
+# How long an interrupted cell may take to reach Python code again before the rank cuts
+# its process group's connections (a collective blocked in C++ never sees the signal).
+# Short: the kernel rebuilds the group after every interrupted cell anyway.
+BREAK_AFTER_S = 0.25
+STORE_PREFIX = "notebook_launcher-session"
+BASE_NAMES = ("rank", "local_rank", "world_size", "device", "torch")
+
+
+def session_rank(spec: RankSpec, payload: Any, ends: RankEnds) -> None:
+    """Rank target: the launcher's own rank runner, running the serve loop on the command pipe."""
+    assert ends.commands is not None  # the group was started with_commands
+    rank_runner.run_rank(spec, (serve, (ends.commands,), {}), ends)
+
+
+def serve(commands: Connection) -> None:
+    """Process target (through the launcher's ``run_rank``): one rank of a session."""
+    worker = Worker()
+    send(Ready(os.getpid(), str(worker.namespace["device"])))
+    worker.loop(commands)
+
+
+class Worker:
+    def __init__(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ["LOCAL_RANK"])
+        self.accelerator = os.environ.get(rank_env.ACCELERATOR, "cpu")
+        device = torch.device(f"cuda:{local_rank}" if self.accelerator == "cuda" else "cpu")
+        self.namespace: dict[str, Any] = {
+            "__name__": "__main__",
+            "__builtins__": builtins,
+            "rank": self.rank,
+            "local_rank": local_rank,
+            "world_size": self.world_size,
+            "device": device,
+            "torch": torch,
+        }
+        self.injected: dict[str, Any] = {}  # notebook values put in by the kernel, by name
+        self._dist = dist
+        self._store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world_size,
+            is_master=False, timeout=timedelta(seconds=300),
+        )
+        self._group_sockets: set[int] = set()
+        self._init_group(0)
+        self.interrupts = _InterruptWatch(self._break_group)
+
+    # The process group -------------------------------------------------------------
+
+    def _init_group(self, generation: int) -> None:
+        before = _tcp_sockets()
+        backend = "nccl" if self.accelerator == "cuda" else "gloo"
+        self._dist.init_process_group(
+            backend, store=self._dist.PrefixStore(f"{STORE_PREFIX}/{generation}/", self._store),
+            rank=self.rank, world_size=self.world_size,
+            device_id=self.namespace["device"] if backend == "nccl" else None,
+        )
+        self._group_sockets = _tcp_sockets() - before
+        self.group_broken = False
+
+    def _break_group(self) -> None:
+        """Make a collective that waits for a rank that will never come fail now."""
+        self.group_broken = True
+        if self.accelerator == "cuda":
+            with contextlib.suppress(Exception):
+                self._dist.distributed_c10d._get_default_group().abort()
+            return
+        # Gloo has no working abort for a pending wait; cutting its peer connections
+        # ends the wait with "Connection closed by peer" at once.
+        for fd in self._group_sockets:
+            with contextlib.suppress(OSError):
+                peer = socket.socket(fileno=os.dup(fd))
+                try:
+                    peer.shutdown(socket.SHUT_RDWR)
+                finally:
+                    peer.close()
+
+    def _regroup(self, generation: int) -> None:
+        # A collective may still be queued in the old group (the cell was interrupted
+        # around it); cut it off first, or destroying the group would wait for it forever.
+        self._break_group()
+        with contextlib.suppress(Exception):
+            self._dist.destroy_process_group()
+        self._init_group(generation)
+
+    # Commands ------------------------------------------------------------------------
+
+    def loop(self, commands: Connection) -> None:
+        while True:
+            try:
+                command: Command = commands.recv()
+            except EOFError:
+                return  # the kernel is gone
+            except KeyboardInterrupt:
+                continue  # an interrupt that came after the cell had ended
+            if isinstance(command, Shutdown):
+                send(Reply(command.seq))
+                return
+            send(self.handle(command))
+
+    def handle(self, command: Command) -> Reply:
+        try:
+            with self.interrupts.running():
+                value = self._run(command)
+        except BaseException as error:
+            interrupted = isinstance(error, KeyboardInterrupt)
+            return Reply(
+                command.seq, failure=_failure(error), interrupted=interrupted,
+                group_broken=self.group_broken, owned=self._owned(),
+            )
+        finally:
+            _flush()
+        return Reply(command.seq, value=value, group_broken=self.group_broken, owned=self._owned())
+
+    def _run(self, command: Command) -> bytes | None:
+        if isinstance(command, Execute):
+            self._inject(cloudpickle.loads(command.names))
+            last = run_cell(command.code, command.filename, self.namespace)
+            returned = {}
+            for name in command.returns:
+                if name not in self.namespace:
+                    raise NameError(f"--return {name}: name {name!r} is not defined on rank {self.rank}")
+                returned[name] = self.namespace[name]
+            return _dumps((last, returned))
+        if isinstance(command, Call):
+            function, args, kwargs = cloudpickle.loads(command.payload)
+            return _dumps(function(*args, **kwargs))
+        if isinstance(command, Push):
+            for name, value in cloudpickle.loads(command.names).items():
+                self.namespace[name] = value
+                self.injected.pop(name, None)  # pushed names are the rank's own from now on
+            return None
+        if isinstance(command, Pull):
+            if command.name not in self.namespace:
+                raise NameError(f"name {command.name!r} is not defined on rank {self.rank}")
+            return _dumps(self.namespace[command.name])
+        if isinstance(command, Regroup):
+            self._regroup(command.generation)
+            return None
+        raise TypeError(f"unknown command {command!r}")
+
+    def _inject(self, names: dict[str, Any]) -> None:
+        for name, value in names.items():
+            self.namespace[name] = value
+            self.injected[name] = value
+
+    def _owned(self) -> tuple[str, ...]:
+        """Names the rank's code bound (or that were pushed): notebook values never replace them."""
+        owned = []
+        for name, value in self.namespace.items():
+            if name.startswith("__") or name in BASE_NAMES:
+                continue
+            if name in self.injected and self.injected[name] is value:
+                continue
+            self.injected.pop(name, None)
+            owned.append(name)
+        return tuple(owned)
+
+
+def run_cell(code: str, filename: str, namespace: dict[str, Any]) -> Any:
+    """Run ``code`` like a notebook cell; return the value of its last expression (or None).
+
+    The source is registered in linecache under ``filename`` so tracebacks show the
+    cell's own lines.
+    """
+    linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
+    tree = ast.parse(code, filename, "exec")
+    last: ast.expr | None = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = tree.body.pop().value  # type: ignore[attr-defined]
+    body: CodeType = compile(tree, filename, "exec")
+    exec(body, namespace)
+    if last is None:
+        return None
+    return eval(compile(ast.Expression(last), filename, "eval"), namespace)
+
+
+class _InterruptWatch:
+    """Turns the kernel's SIGINT into KeyboardInterrupt while a command runs, and breaks
+    the process group when the command does not come back to Python in time."""
+
+    def __init__(self, break_group: Any) -> None:
+        self._break_group = break_group
+        self._running = False
+        self._idle = threading.Event()
+        self._idle.set()
+        read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        signal.signal(signal.SIGINT, self._on_signal)
+        # Python's C-level handler writes here even while the main thread is stuck in C++.
+        signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        self._thread = threading.Thread(
+            target=self._watch, args=(read_fd,), name="notebook_launcher-interrupt", daemon=True
+        )
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def running(self) -> Any:
+        self._idle.clear()
+        self._running = True
+        try:
+            yield
+        finally:
+            self._running = False
+            self._idle.set()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._running:
+            raise KeyboardInterrupt
+
+    def _watch(self, read_fd: int) -> None:
+        while True:
+            data = os.read(read_fd, 64)
+            if not data:
+                return
+            if signal.SIGINT in data and not self._idle.wait(BREAK_AFTER_S):
+                self._break_group()
+
+
+def send(message: Ready | Reply) -> None:
+    """Over the launcher's rank -> kernel channel, which carries any picklable message."""
+    rank_runner.send(message)  # type: ignore[arg-type]
+
+
+def _tcp_sockets() -> set[int]:
+    """This process's connected TCP sockets, by descriptor."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        with contextlib.suppress(OSError):
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            probe = socket.socket(fileno=os.dup(fd))
+            try:
+                if (
+                    probe.family in (socket.AF_INET, socket.AF_INET6)
+                    and probe.type == socket.SOCK_STREAM
+                    # Connections only: cutting gloo's listening socket aborts the process.
+                    and not probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                ):
+                    probe.getpeername()  # raises when not connected
+                    found.add(fd)
+            finally:
+                probe.close()
+    return found
+
+
+def _dumps(value: Any) -> bytes:
+    try:
+        # Tensors come back on the CPU, as a launch's results do: rebuilt on a GPU in the
+        # kernel, they would initialise CUDA there.
+        return rank_runner.dump_result(value, keep_devices=False)
+    except Exception:
+        return cloudpickle.dumps(RemoteRepr(_safe_repr(value)))
+
+
+def _safe_repr(value: Any) -> str:
+    try:
+        return repr(value)
+    except Exception as error:
+        return f"<{type(value).__name__} (repr failed: {error})>"
+
+
+def _failure(error: BaseException) -> Failure:
+    error_type = type(error)
+    qualified = error_type.__qualname__
+    if error_type.__module__ not in ("builtins", "__main__"):
+        qualified = f"{error_type.__module__}.{qualified}"
+    try:
+        pickled: bytes | None = cloudpickle.dumps(error)
+    except Exception:
+        pickled = None
+    text = "".join(traceback.format_exception(error_type, error, _user_frames(error.__traceback__)))
+    return Failure(qualified, str(error), text, time.time(), pickled)
+
+
+def _user_frames(frames: TracebackType | None) -> TracebackType | None:
+    """Drop this module's own frames from the top: the user's code starts below them."""
+    while frames is not None and frames.tb_frame.f_code.co_filename == __file__:
+        frames = frames.tb_next
+    return frames
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()

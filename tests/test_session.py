@@ -1,0 +1,265 @@
+"""Sessions with real rank processes: state across calls, failures, interrupts, dead ranks, leaks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from notebook_launcher import RankFailedError, Session, SessionError
+from notebook_launcher.errors import LaunchTypeError
+from notebook_launcher.launcher.events import OutputLine
+
+from .conftest import rank_processes
+
+pytestmark = pytest.mark.slow
+
+ALL_REDUCE = "t = torch.ones(8) * (rank + 1)\ntorch.distributed.all_reduce(t)\nt.tolist()"
+
+
+@pytest.fixture(scope="module")
+def session():
+    with Session(num_processes=2, hardware="cpu") as running:
+        yield running
+
+
+def wait_until_dead(session: Session, within_s: float = 30.0) -> None:
+    deadline = time.monotonic() + within_s
+    while session.alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_close_leaves_nothing_behind(leak_check):
+    session = Session(num_processes=2, hardware="cpu")
+    session.execute(ALL_REDUCE)
+    assert len(rank_processes()) == 2  # runs first: no other session exists yet
+    session.close()
+    session.close()
+    assert not session.alive
+    with pytest.raises(SessionError, match=r"the session is closed; create a new Session \(or %distributed start\)"):
+        session.execute("1")
+
+
+def test_every_rank_starts_with_its_names_and_a_process_group(session):
+    values = session.execute(
+        "import torch.distributed as dist\n"
+        "(rank, local_rank, world_size, str(device), dist.get_rank(), dist.get_backend(), os_env)",
+        names={"os_env": None},
+    )
+    assert values == [(0, 0, 2, "cpu", 0, "gloo", None), (1, 1, 2, "cpu", 1, "gloo", None)]
+    assert session.execute("import os\nos.environ['RANK'], os.environ['WORLD_SIZE']") == [("0", "2"), ("1", "2")]
+
+
+def test_names_stay_on_each_rank_across_three_calls(session):
+    assert session.execute("x = rank * 10") == [None, None]
+    assert session.execute("x += 1\nx") == [1, 11]
+    assert session.execute("x * 2") == [2, 22]
+    assert session.execute("x", ranks=[1]) == [11]
+    assert session.execute("x", ranks=[1, 0]) == [11, 1]
+
+
+def test_a_collective_runs_on_every_rank(session):
+    assert session.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
+
+
+def test_run_push_and_pull(session):
+    def scaled(factor):
+        import torch.distributed as dist
+
+        return dist.get_rank() * factor
+
+    assert session.run(scaled, 5) == [0, 5]
+    session.push({"lr": 0.25})
+    assert session.pull("lr", rank=1) == 0.25
+    session.push({"lr": 0.5}, ranks=[0])
+    assert session.execute("lr") == [0.5, 0.25]
+    assert "lr" in session.owned_names
+
+
+def test_output_is_prefixed_with_the_rank(session, capsys):
+    session.execute("print('hello from', rank)")
+    out = capsys.readouterr().out
+    assert "[rank0]: hello from 0\n" in out and "[rank1]: hello from 1\n" in out
+
+
+def test_a_failing_rank_raises_its_own_error_and_interrupts_the_rank_waiting_in_a_collective(session):
+    session.execute("kept = rank + 100")
+    code = "\nif rank == 1:\n    raise ValueError(f'bad batch on rank {rank}')\nt = torch.ones(8)\ntorch.distributed.all_reduce(t)\n"
+    with pytest.raises(ValueError, match=r"^Rank 1 \(pid \d+\) raised ValueError: bad batch on rank 1\.") as caught:
+        session.execute(code, filename="In[12]")
+    error = caught.value
+    assert isinstance(error, RankFailedError)
+    text = str(error)
+    assert "Rank(s) 0 were still running the cell and were interrupted." in text
+    assert "the process group was rebuilt" in text
+    assert 'File "In[12]", line 3, in <module>' in text
+    assert "raise ValueError(f'bad batch on rank {rank}')" in text
+    assert error.failures[0].rank == 1
+    # The session goes on, names kept, collectives working again.
+    assert session.alive
+    assert session.execute("kept") == [100, 101]
+    assert session.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
+
+
+def test_the_stop_button_interrupts_every_rank_and_the_session_survives():
+    seen: list[int] = []
+
+    class StopButton:
+        """Presses stop (KeyboardInterrupt in the waiting kernel) once both ranks sleep."""
+
+        def on_event(self, event):
+            if isinstance(event, OutputLine) and "sleeping" in event.text:
+                seen.append(event.rank)
+                if len(seen) == 2:
+                    raise KeyboardInterrupt
+
+    with Session(num_processes=2, hardware="cpu", observers=[StopButton()]) as session:
+        session.execute("y = rank")
+        with pytest.raises(KeyboardInterrupt, match=r"the cell was interrupted on rank\(s\) 0, 1; the session is ready"):
+            session.execute("import time\nprint('sleeping', flush=True)\ntime.sleep(600)")
+        assert session.alive
+        assert session.execute("y") == [0, 1]
+        assert session.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
+
+
+def test_a_rank_killed_between_calls_is_noticed_and_named_then_restart_works():
+    with Session(num_processes=2, hardware="cpu") as session:
+        session.execute("z = 1")
+        victim = session.pids[1]
+        os.kill(victim, signal.SIGKILL)
+        wait_until_dead(session)
+        assert not session.alive
+        with pytest.raises(SessionError, match=rf"the session has no usable ranks: Rank 1 \(pid {victim}\) was killed by SIGKILL .*Restart the session \(session.restart\(\), or %distributed restart\)"):
+            session.execute("z")
+        session.restart()
+        assert session.alive
+        with pytest.raises(NameError, match="name 'z' is not defined"):
+            session.execute("z")
+        assert session.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
+
+
+def test_a_rank_that_exits_during_a_cell_ends_the_session_with_its_exit_code():
+    with Session(num_processes=2, hardware="cpu") as session:
+        code = "import os\nif rank == 1:\n    os._exit(3)\nt = torch.ones(8)\ntorch.distributed.all_reduce(t)"
+        with pytest.raises(RankFailedError, match=r"Rank 1 \(pid \d+\) exited with code 3 without raising an exception while running the cell; the session's other ranks were stopped"):
+            session.execute(code)
+        assert not session.alive
+
+
+def test_two_sessions_work_side_by_side():
+    with Session(num_processes=2, hardware="cpu") as first, Session(num_processes=2, hardware="cpu") as second:
+        first.execute("who = 'first'")
+        second.execute("who = 'second'")
+        assert first.execute(ALL_REDUCE) == second.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
+        assert first.execute("who") == ["first", "first"]
+        assert second.execute("who") == ["second", "second"]
+
+
+def test_forkserver_ranks_serve_too():
+    with Session(num_processes=2, hardware="cpu", start_method="forkserver") as session:
+        assert session.plan.start.method == "forkserver"
+        assert session.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
+
+
+def test_wrong_arguments_say_what_to_pass(session):
+    with pytest.raises(LaunchTypeError, match=r"ranks=\[2\]: 2 is not a rank of this session, which has ranks 0 to 1\."):
+        session.execute("1", ranks=[2])
+    with pytest.raises(LaunchTypeError, match=r"ranks=\[0, 0\] must name at least one rank, each once"):
+        session.execute("1", ranks=[0, 0])
+    with pytest.raises(LaunchTypeError, match=r"push\(\) takes a dict of variable names to values"):
+        session.push(["lr"])  # type: ignore[arg-type]
+    with pytest.raises(NameError, match=r"name 'nothing_here' is not defined on rank 1"):
+        session.pull("nothing_here", rank=1)
+
+
+def test_a_session_is_listed_for_the_sidebar_and_its_stop_button_ends_it():
+    from notebook_launcher import registry
+
+    with Session(num_processes=2, hardware="cpu") as session:
+        (record,) = [r for r in registry.list_launches() if r.rank_pids == session.pids]
+        assert record.kind == "session" and record.num_processes == 2
+        assert registry.request_stop(record.launch_id)
+        wait_until_dead(session)
+        assert not session.alive
+        with pytest.raises(SessionError, match=r"the session has no usable ranks: it was stopped from the JupyterLab sidebar\. Restart the session"):
+            session.execute("1")
+        assert all(r.launch_id != record.launch_id for r in registry.list_launches())
+
+
+class _StopButtonWhen:
+    """Presses stop (KeyboardInterrupt in the waiting kernel) once ``count`` lines contain ``text``."""
+
+    def __init__(self, text: str, count: int) -> None:
+        self.text, self.count, self.seen = text, count, 0
+
+    def on_event(self, event):
+        if isinstance(event, OutputLine) and self.text in event.text:
+            self.seen += 1
+            if self.seen == self.count:
+                raise KeyboardInterrupt
+
+
+def test_the_stop_button_also_frees_a_rank_blocked_in_a_collective():
+    with Session(num_processes=2, hardware="cpu", observers=[_StopButtonWhen("waiting", 2)]) as session:
+        code = (
+            "import time\n"
+            "if rank == 0:\n    print('waiting', flush=True)\n    torch.distributed.all_reduce(torch.ones(8))\n"
+            "else:\n    time.sleep(0.5)\n    print('waiting', flush=True)\n    time.sleep(600)\n"
+        )
+        with pytest.raises(KeyboardInterrupt, match=r"the cell was interrupted on rank\(s\) 0, 1"):
+            session.execute(code)
+        assert session.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
+
+
+def test_a_rank_that_ignores_the_interrupt_is_reported_and_a_second_interrupt_ends_the_session(capfd):
+    import threading
+
+    main = threading.main_thread().ident
+    with Session(num_processes=2, hardware="cpu", observers=[_StopButtonWhen("deaf", 2)]) as session:
+        def second_press() -> None:
+            deadline = time.monotonic() + 120
+            while "did not stop within" not in capfd.readouterr().err and time.monotonic() < deadline:
+                time.sleep(0.2)
+            signal.pthread_kill(main, signal.SIGINT)
+
+        presser = threading.Thread(target=second_press)
+        presser.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                session.execute(
+                    "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                    "print('deaf', flush=True)\ntime.sleep(600)"
+                )
+        finally:
+            presser.join()
+        assert not session.alive
+        with pytest.raises(SessionError, match=r"the session has no usable ranks: .*Restart the session"):
+            session.execute("1")
+
+
+def test_restart_of_a_closed_session_and_code_that_is_not_text_say_what_to_do():
+    session = Session(num_processes=1, hardware="cpu")
+    with pytest.raises(LaunchTypeError, match=r"code must be a string of Python source; got int\."):
+        session.execute(42)  # type: ignore[arg-type]
+    session.close()
+    with pytest.raises(SessionError, match=r"restart\(\) was called on a closed session; create a new Session"):
+        session.restart()
+
+
+def test_the_training_core_works_inside_a_session_with_its_precision():
+    with Session(num_processes=2, hardware="cpu", mixed_precision="bf16") as session:
+        values = session.execute(
+            "from notebook_launcher import Accelerator\nacc = Accelerator()\n"
+            "(acc.process_index, acc.num_processes, acc.mixed_precision)"
+        )
+        assert values == [(0, 2, "bf16"), (1, 2, "bf16")]
+
+
+def test_a_rank_that_segfaults_during_a_cell_is_named_with_its_crash_report():
+    with Session(num_processes=2, hardware="cpu") as session:
+        with pytest.raises(RankFailedError, match=r"Rank 1 \(pid \d+\) was killed by SIGSEGV \(segmentation fault\) while running the cell") as caught:
+            session.execute("import ctypes\nif rank == 1:\n    ctypes.string_at(0)\n")
+        assert "Fatal Python error: Segmentation fault" in str(caught.value)
+        assert not session.alive

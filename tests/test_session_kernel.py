@@ -1,0 +1,119 @@
+"""What a notebook user sees of a session, in a real Jupyter kernel."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from .conftest import rank_processes
+from .kernel_driver import RunningKernel
+
+pytestmark = [pytest.mark.kernel, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    running = RunningKernel()
+    setup = running.run(
+        """
+        %load_ext notebook_launcher
+        %distributed start -n 2 --hardware cpu
+        """
+    )
+    assert setup.error is None, setup.error
+    yield running
+    running.shutdown()
+
+
+def run_ok(kernel, code):
+    cell = kernel.run(code)
+    assert cell.error is None, cell.error
+    return cell
+
+
+def test_state_stays_on_the_ranks_across_three_cells_with_prefixed_output_and_values(kernel):
+    run_ok(kernel, "%%distributed\nsteps = [rank]")
+    run_ok(kernel, "%%distributed\nsteps.append(rank * 10)\nprint('steps so far', steps)")
+    cell = run_ok(kernel, "%%distributed\nsteps.append(rank * 100)\nsteps")
+    assert cell.result == "[rank0]: [0, 0, 0]\n[rank1]: [1, 10, 100]"
+    second = kernel.run("%%distributed\nprint('line one', flush=True)\nprint('line two')")
+    assert "[rank0]: line one\n" in second.stdout and "[rank1]: line two\n" in second.stdout
+
+
+def test_output_arrives_while_the_cell_still_runs(kernel):
+    msg_id = kernel.submit("%%distributed\nimport time\nprint('early', flush=True)\ntime.sleep(3)\nprint('late')")
+    seen = kernel.collect(msg_id, until="early")
+    assert "late" not in seen.stdout  # the cell is still sleeping: the line came live
+    rest = kernel.collect(msg_id)
+    assert rest.error is None and "[rank1]: late\n" in rest.stdout
+
+
+def test_notebook_names_go_to_the_ranks_and_return_brings_names_back(kernel):
+    run_ok(kernel, "WIDTH = 4\ndef make(n):\n    return list(range(n))")
+    run_ok(kernel, "%%distributed --return shard\nshard = make(WIDTH)[rank::world_size]")
+    assert run_ok(kernel, "shard").result == "[0, 2]"
+
+
+def test_a_failure_on_one_rank_while_the_other_waits_in_all_reduce_raises_and_the_next_cell_works(kernel):
+    cell = kernel.run(
+        "%%distributed\n"
+        "t = torch.ones(8)\n"
+        "if rank == 1:\n"
+        "    raise RuntimeError('rank 1 lost its data')\n"
+        "torch.distributed.all_reduce(t)\n",
+        timeout=60,
+    )
+    assert cell.error["ename"] == "RankFailedError[RuntimeError]"
+    assert cell.error["evalue"].startswith("Rank 1 (pid ")
+    assert "raised RuntimeError: rank 1 lost its data" in cell.error["evalue"]
+    assert "Rank(s) 0 were still running the cell and were interrupted." in cell.error["evalue"]
+    assert ", line 4, in <module>" in cell.error["evalue"]
+    after = run_ok(kernel, "%%distributed\nt = torch.ones(8)\ntorch.distributed.all_reduce(t)\nt.sum().item()")
+    assert after.result == "[rank0]: 16.0\n[rank1]: 16.0"
+
+
+def test_the_stop_button_interrupts_both_sleeping_ranks_and_the_session_survives(kernel):
+    msg_id = kernel.submit("%%distributed\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)")
+    seen = kernel.collect(msg_id, until="sleeping")
+    while seen.stdout.count("sleeping") < 2:
+        seen.stdout += kernel.collect(msg_id, until="sleeping").stdout
+    kernel.manager.interrupt_kernel()
+    cell = kernel.collect(msg_id, timeout=60)
+    assert cell.error["ename"] == "KeyboardInterrupt"
+    assert "the cell was interrupted on rank(s) 0, 1" in cell.error["evalue"]
+    assert run_ok(kernel, "%%distributed\nrank + 1").result == "[rank0]: 1\n[rank1]: 2"
+
+
+def test_a_rank_killed_between_cells_is_named_in_the_next_cell_and_restart_works(kernel):
+    status = run_ok(kernel, "%distributed status").stdout
+    pids = [int(pid) for pid in status.split("(pids ")[1].split(")")[0].split(", ")]  # in rank order
+    assert sorted(pids) == sorted(p.pid for p in rank_processes(kernel.pid))
+    victim = pids[1]
+    os.kill(victim, signal.SIGKILL)
+    time.sleep(0.5)
+    status = run_ok(kernel, "%distributed status")
+    assert "stopped:" in status.stdout and "SIGKILL" in status.stdout
+    cell = kernel.run("%%distributed\nrank")
+    assert cell.error["ename"] == "SessionError"
+    assert f"Rank 1 (pid {victim}) was killed by SIGKILL" in cell.error["evalue"]
+    assert "%distributed restart" in cell.error["evalue"]
+    run_ok(kernel, "%distributed restart")
+    assert run_ok(kernel, "%%distributed\nworld_size").result == "[rank0]: 2\n[rank1]: 2"
+
+
+def test_ranks_do_not_outlive_a_killed_kernel():
+    doomed = RunningKernel()
+    try:
+        setup = doomed.run("%load_ext notebook_launcher\n%distributed start -n 2 --hardware cpu")
+        assert setup.error is None, setup.error
+        everything = psutil.Process(doomed.pid).children(recursive=True)
+        assert len(rank_processes(doomed.pid)) == 2
+        os.kill(doomed.pid, signal.SIGKILL)
+        _, alive = psutil.wait_procs(everything, timeout=10)
+        assert alive == [], f"processes survived their kernel: {alive}"
+    finally:
+        doomed.shutdown()

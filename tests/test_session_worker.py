@@ -1,0 +1,93 @@
+"""The rank side of a session, piece by piece: running a cell, what travels, the magics' lines."""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+
+from notebook_launcher.errors import LaunchConfigError
+from notebook_launcher.session.capture import notebook_values, used_names
+from notebook_launcher.session.magics import (
+    DistributedUsageError,
+    RankValues,
+    parse_cell_line,
+    parse_line,
+)
+from notebook_launcher.session.worker import run_cell
+
+
+def test_a_cell_returns_the_value_of_its_last_expression_and_keeps_its_names():
+    namespace: dict = {"rank": 1}
+    assert run_cell("x = rank * 10\nx + 1", "<cell 1>", namespace) == 11
+    assert namespace["x"] == 10
+    assert run_cell("y = x", "<cell 2>", namespace) is None
+    assert run_cell("", "<cell 3>", namespace) is None
+
+
+def test_a_traceback_points_at_the_cells_own_line_and_shows_it():
+    code = "a = 1\n\ndef f():\n    raise KeyError('missing')\nf()\n"
+    with pytest.raises(KeyError) as caught:
+        run_cell(code, "In[7]", {})
+    text = "".join(traceback.format_exception(caught.value))
+    assert 'File "In[7]", line 4, in f' in text
+    assert "raise KeyError('missing')" in text
+    assert 'File "In[7]", line 5, in <module>' in text
+
+
+def test_a_syntax_error_names_the_cell_and_line():
+    with pytest.raises(SyntaxError) as caught:
+        run_cell("x = 1\nx = (", "In[3]", {})
+    assert caught.value.filename == "In[3]" and caught.value.lineno == 2
+
+
+def test_used_names_include_those_read_inside_functions_and_classes():
+    code = "def g():\n    return helper(lr)\nclass M(Base):\n    size = width\nout = g()"
+    assert {"helper", "lr", "Base", "width", "g"} <= used_names(code)
+    assert "out" not in used_names(code)
+
+
+def test_only_notebook_names_the_cell_uses_are_sent_and_owned_names_are_skipped():
+    def helper():
+        return 1
+
+    user_ns = {"helper": helper, "lr": 0.1, "unused": 5, "In": [], "_private": 1, "x": 3}
+    values = notebook_values("helper() + lr + x + In + _private", user_ns, skip={"x"})
+    assert values == {"helper": helper, "lr": 0.1}
+
+
+def test_a_value_that_cannot_travel_is_named_with_what_to_do():
+    import threading
+
+    user_ns = {"lock": threading.Lock()}
+    with pytest.raises(LaunchConfigError, match=r"the cell uses the notebook's 'lock' \(a _thread.lock\), which cannot be sent to the ranks: TypeError: .*Create it on the ranks instead"):
+        notebook_values("lock.acquire()", user_ns)
+
+
+def test_magic_lines_parse_into_commands():
+    start = parse_line("start -n 2 --precision bf16 --start-method forkserver")
+    assert (start.command, start.num_processes, start.precision, start.start_method) == ("start", 2, "bf16", "forkserver")
+    pull = parse_line("pull weights --rank 1")
+    assert (pull.command, pull.name, pull.rank) == ("pull", "weights", 1)
+    assert parse_line("push a b").names == ["a", "b"]
+    for command in ("status", "restart", "stop"):
+        assert parse_line(command).command == command
+    cell = parse_cell_line("--ranks 0 1 --return loss model")
+    assert cell.ranks == [0, 1] and cell.returns == ["loss", "model"]
+    assert parse_cell_line("").ranks is None
+
+
+def test_a_wrong_magic_line_says_what_is_wrong_without_ending_the_kernel():
+    with pytest.raises(DistributedUsageError, match=r"%distributed needs a command: start, push, pull, status, restart or stop"):
+        parse_line("")
+    with pytest.raises(DistributedUsageError, match=r"invalid choice: 'launch'"):
+        parse_line("launch")
+    with pytest.raises(DistributedUsageError, match=r"argument -n/--num-processes: invalid int value: 'two'"):
+        parse_line("start -n two")
+    with pytest.raises(DistributedUsageError, match=r"%%distributed: unrecognized arguments: --rank"):
+        parse_cell_line("--rank 1")
+
+
+def test_each_ranks_value_is_shown_on_its_own_line():
+    assert repr(RankValues([0, 1], [1, "a"])) == "[rank0]: 1\n[rank1]: 'a'"
+    assert RankValues([1], [5]) == [5]
