@@ -20,6 +20,8 @@ import subprocess
 import sys
 from typing import Any
 
+from notebook_launcher.tpu import TpuInfo, detect_tpu
+
 PRECISIONS = ("no", "fp16", "bf16", "fp8")
 _NVIDIA_SMI_TIMEOUT_S = 10.0
 
@@ -43,6 +45,7 @@ class HardwareReport:
     python_version: str
     torch_version: str | None
     torch_xla_version: str | None
+    tpu: TpuInfo | None = None  # the TPU (or XLA on CPU with PJRT_DEVICE=CPU), see tpu.py
 
     @property
     def accelerator(self) -> str:
@@ -120,16 +123,19 @@ def detect(refresh: bool = False) -> HardwareReport:
 
 def _detect() -> HardwareReport:
     gpus, driver = _detect_gpus()
+    tpu = detect_tpu()
     return HardwareReport(
         cpu_count=available_cpu_count(),
         gpus=gpus,
         driver_version=driver,
-        tpu_cores=_detect_tpu_cores(),
+        # XLA on the CPU (PJRT_DEVICE=CPU) is reported in `tpu` but has no TPU cores.
+        tpu_cores=tpu.cores if tpu is not None and tpu.pjrt_device == "TPU" else 0,
         mps_available=_detect_mps(),
         platform=detect_platform(),
         python_version=platform.python_version(),
         torch_version=_version_of("torch"),
         torch_xla_version=_version_of("torch_xla") or _version_of("torch-xla"),
+        tpu=tpu,
     )
 
 
@@ -196,25 +202,6 @@ def _apply_visible_devices(gpus: list[GpuInfo], visible: str | None) -> tuple[Gp
             break  # CUDA stops at the first entry it cannot resolve (UUIDs are not mapped here)
         shown.append(dataclasses.replace(by_index[int(token)], index=len(shown)))
     return tuple(shown)
-
-
-def _detect_tpu_cores() -> int:
-    # Detection by environment and device files only: importing torch_xla starts its runtime.
-    if "TPU_NUM_DEVICES" in os.environ and os.environ["TPU_NUM_DEVICES"].isdigit():
-        return int(os.environ["TPU_NUM_DEVICES"])
-    accel = [d for d in _listdir("/dev") if d.startswith("accel") and d[5:].isdigit()]
-    if accel and importlib.util.find_spec("torch_xla") is not None:
-        return len(accel)
-    if "COLAB_TPU_ADDR" in os.environ or "TPU_ACCELERATOR_TYPE" in os.environ:
-        return 8
-    return 0
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
 
 
 def _detect_mps() -> bool:
