@@ -462,6 +462,11 @@ class Accelerator:
 
     def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
         """``torch.save`` once per machine (by the local main process)."""
+        if self.state.device_kind == "tpu" and not safe_serialization:
+            from notebook_launcher.accelerator import xla
+
+            xla.save(obj, f)  # every replica takes part; one writes CPU tensors
+            return
         if not self.is_local_main_process:
             return
         if safe_serialization:

@@ -79,7 +79,8 @@ def group() -> Any:
 
 def all_reduce_sum(tensors: list[torch.Tensor]) -> None:
     if world_size() > 1:
-        group().allreduce(tensors).wait()
+        for tensor in tensors:  # gloo reads a list as one tensor per local device
+            group().allreduce([tensor]).wait()
 
 
 def all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
