@@ -1,48 +1,51 @@
-"""Running one planned launch: start the ranks, watch them, clean up, report."""
+"""Running one planned launch: plan -> rank group -> report.
+
+Every resource of the launch (the store's port, the ranks and their pipes, the sidebar's
+record) is released through one ExitStack, so an interrupt at any moment, even a second
+one while the ranks are being stopped, leaves nothing behind, and ``LaunchFinished`` is
+sent on every path that sent ``LaunchStarted``.
+"""
 
 from __future__ import annotations
 
-import multiprocessing
+import contextlib
 import os
 import random
 import sys
 import time
 import uuid
-from multiprocessing.context import BaseContext
+from types import TracebackType
 from typing import Any, Callable
 
 from notebook_launcher import rank_env, registry
-from notebook_launcher.errors import (
-    LaunchStoppedError,
-    LaunchTimeoutError,
-    RankFailedError,
-    rank_failed_error_class,
-)
+from notebook_launcher.launcher import backends, report
 from notebook_launcher.launcher.events import (
     LaunchEvent,
     LaunchFinished,
     LaunchObserver,
     LaunchStarted,
-    RankStarted,
 )
-from notebook_launcher.launcher.monitor import Monitor, Outcome
-from notebook_launcher.launcher.options import LaunchPlan
-from notebook_launcher.launcher.pickling import dump_payload
-from notebook_launcher.launcher.processes import RankProcess, close_all
+from notebook_launcher.launcher.plan import LaunchPlan
 from notebook_launcher.launcher.rank import RankSpec
+from notebook_launcher.launcher.rank_group import RankGroup
 from notebook_launcher.launcher.store import RendezvousStore, bind_listener
 
-# Modules the forkserver imports once, so each later rank starts in milliseconds.
-_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "notebook_launcher.launcher.rank"]
-_STOP_GRACE_S = 3.0
 
+class Emitter:
+    """Sends each event to every observer, in the calling thread."""
 
-def start_context(method: str) -> BaseContext:
-    context = multiprocessing.get_context(method)
-    if method == "forkserver":
-        # Takes effect when the forkserver first starts; it then stays warm for the kernel.
-        context.set_forkserver_preload(_FORKSERVER_PRELOAD)
-    return context
+    def __init__(self, observers: list[LaunchObserver]) -> None:
+        self._observers = observers
+
+    def __call__(self, event: LaunchEvent) -> None:
+        for observer in self._observers:
+            observer.on_event(event)
+
+    def safely(self, event: LaunchEvent) -> None:
+        """Deliver to every observer even if one raises (the launch is ending anyway)."""
+        for observer in self._observers:
+            with contextlib.suppress(Exception):
+                observer.on_event(event)
 
 
 def execute(
@@ -53,105 +56,69 @@ def execute(
     observers: list[LaunchObserver],
 ) -> list[Any]:
     """Run ``function`` on every rank of ``plan``; return the values, indexed by rank."""
-    fork = plan.start.method == "fork"
-    # By value for fresh interpreters; a fork shares the kernel's memory as it is.
-    payload: Any = (function, args, kwargs) if fork else dump_payload(function, args, kwargs)
-    listener = bind_listener(plan.master_addr, plan.port)
-
-    def emit(event: LaunchEvent) -> None:
-        for observer in observers:
-            observer.on_event(event)
-
-    started = time.monotonic()
+    backend = backends.lookup(plan.backend)
+    backends.check_supports(backend, plan.accelerator)
+    backend.check(plan)
+    payload = backend.prepare_payload(plan, (function, args, kwargs))  # refuses what cannot travel
+    emit = Emitter(observers)
     launch_id = uuid.uuid4().hex[:12]
-    ranks: list[RankProcess] = []
-    outcome: Outcome | None = None
-    store = record = None
-    try:
-        store = RendezvousStore(listener, plan.num_processes)
+    started = time.monotonic()
+    with contextlib.ExitStack() as cleanup:
+        listener = bind_listener(plan.master_addr, plan.port)
+        cleanup.callback(listener.close)
+        store = RendezvousStore(listener, plan.world_size)
+        cleanup.callback(store.close)
         emit(LaunchStarted(plan.num_processes, plan.start.method, plan.accelerator,
                            plan.mixed_precision, plan.start.fallback_reason))
-        context = start_context(plan.start.method)
-        for spec in _rank_specs(plan, launch_id, store.port, fork):
-            ranks.append(RankProcess(context, spec, payload))
-            emit(RankStarted(spec.rank, ranks[-1].pid, _device(plan, spec.local_rank)))
-        record = _register(launch_id, plan, [r.pid for r in ranks])
-        deadline = started + plan.timeout if plan.timeout is not None else None
-        outcome = Monitor(
-            ranks, emit, poll_interval=plan.monitor_interval, deadline=deadline,
-            stop_requested=record.stop_requested, grace_s=_STOP_GRACE_S,
-        ).run()
-    except KeyboardInterrupt:
-        emit(LaunchFinished("interrupted", time.monotonic() - started))
-        raise
-    finally:
-        close_all(ranks, _STOP_GRACE_S)
-        if store is not None:
-            store.close()
-        else:
-            listener.close()
-        if record is not None:
-            record.close()
-    return _finish(outcome, plan, emit, time.monotonic() - started)
-
-
-def _finish(
-    outcome: Outcome, plan: LaunchPlan, emit: Callable[[LaunchEvent], None], elapsed: float
-) -> list[Any]:
-    if outcome.failures:
-        emit(LaunchFinished("failed", elapsed))
-        raise _rank_failed_error(outcome)
-    if outcome.timed_out_ranks:
-        emit(LaunchFinished("timeout", elapsed))
-        ranks = ", ".join(str(r) for r in outcome.timed_out_ranks)
-        raise LaunchTimeoutError(
-            f"the launch ran past timeout={plan.timeout:g}s; rank(s) {ranks} were still running "
-            "and have been stopped. Raise timeout= if the work needs longer, or look at where "
-            "those ranks wait (a collective that other ranks never reach hangs)."
+        cleanup.push(_FinishedOnError(emit, started))
+        group = RankGroup(
+            plan, backend, rank_specs(plan, launch_id, store.port), emit, launch_id=launch_id
         )
-    if outcome.stopped_from_outside:
-        emit(LaunchFinished("stopped", elapsed))
-        raise LaunchStoppedError("the launch was stopped from the JupyterLab sidebar; every rank was stopped.")
-    emit(LaunchFinished("ok", elapsed))
-    return [outcome.results[rank].value() for rank in range(plan.num_processes)]
+        cleanup.callback(group.close)
+        group.start(payload)
+        record = _register(launch_id, plan, [r.pid for r in group.ranks if r.pid is not None])
+        cleanup.callback(record.close)
+        deadline = started + plan.timeout if plan.timeout is not None else None
+        outcome = group.run(deadline=deadline, stop_requested=record.stop_requested)
+    return report.finish(outcome, plan, emit, time.monotonic() - started)
 
 
-def _rank_failed_error(outcome: Outcome) -> RankFailedError:
-    failures = sorted(outcome.failures, key=lambda f: f.time)
-    root = failures[0]
-    lines = [f"{root.summary()}; the other ranks were stopped."]
-    for later in failures[1:]:
-        lines.append(f"Afterwards, {later.summary()[0].lower()}{later.summary()[1:]}.")
-    if root.traceback:
-        lines += ["", f"Traceback from rank {root.rank}:", root.traceback.rstrip()]
-    elif root.output_tail:
-        lines += ["", f"Last output of rank {root.rank}:", root.output_tail]
-    remote = outcome.remote_exceptions.get(root.rank)
-    error = rank_failed_error_class(type(remote) if remote is not None else None)(
-        "\n".join(lines), failures
-    )
-    if remote is not None:
-        error.__cause__ = remote
-    return error
+class _FinishedOnError:
+    """An exit callback: the launch ended by an exception (interrupt, an observer's bug)."""
+
+    def __init__(self, emit: Emitter, started: float) -> None:
+        self._emit, self._started = emit, started
+
+    def __call__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        if kind is not None:
+            outcome = "interrupted" if issubclass(kind, KeyboardInterrupt) else "error"
+            self._emit.safely(LaunchFinished(outcome, time.monotonic() - self._started))
+        return False
 
 
-def _rank_specs(plan: LaunchPlan, launch_id: str, port: int, fork: bool) -> list[RankSpec]:
+def rank_specs(plan: LaunchPlan, launch_id: str, port: int) -> list[RankSpec]:
+    """What each local rank of ``plan`` needs besides the function (its environment...)."""
+    fork = plan.start.method == "fork"
     torch = sys.modules.get("torch")
     # A fork already carries the kernel's RNG state; fresh interpreters are handed it.
     # As bytes: a tensor sent through multiprocessing would be moved to shared memory.
     torch_rng = bytes(torch.random.get_rng_state().numpy()) if torch is not None and not fork else None
     python_rng = random.getstate()
     environ = dict(os.environ)
-    return [
-        RankSpec(
+    specs = []
+    for local_rank in range(plan.num_processes):
+        rank = plan.global_rank(local_rank)
+        specs.append(RankSpec(
             rank=rank,
-            local_rank=rank,
+            local_rank=local_rank,
             environ=rank_env.rank_environment(
-                launch_id=launch_id, rank=rank, local_rank=rank, world_size=plan.num_processes,
-                local_world_size=plan.num_processes, group_rank=0, master_addr=plan.master_addr,
-                master_port=port, mixed_precision=plan.mixed_precision,
-                accelerator=plan.accelerator, threads_per_rank=plan.threads_per_rank,
-                environ=environ,
+                launch_id=launch_id, rank=rank, local_rank=local_rank, world_size=plan.world_size,
+                local_world_size=plan.num_processes, group_rank=plan.node_rank,
+                master_addr=plan.master_addr, master_port=port,
+                mixed_precision=plan.mixed_precision, accelerator=plan.accelerator,
+                threads_per_rank=plan.threads_per_rank, environ=environ,
             ),
             cwd=os.getcwd(),
             sys_path=list(sys.path),
@@ -159,13 +126,9 @@ def _rank_specs(plan: LaunchPlan, launch_id: str, port: int, fork: bool) -> list
             threads=plan.threads_per_rank if "OMP_NUM_THREADS" not in environ else None,
             python_random_state=python_rng,
             torch_rng_state=torch_rng,
-        )
-        for rank in range(plan.num_processes)
-    ]
-
-
-def _device(plan: LaunchPlan, local_rank: int) -> str:
-    return f"cuda:{local_rank}" if plan.accelerator == "cuda" else plan.accelerator
+            keep_result_devices=plan.keep_result_devices,
+        ))
+    return specs
 
 
 def _register(launch_id: str, plan: LaunchPlan, rank_pids: list[int]) -> registry.RegisteredLaunch:
@@ -177,4 +140,3 @@ def _register(launch_id: str, plan: LaunchPlan, rank_pids: list[int]) -> registr
             state="running", started_at=time.time(), rank_pids=rank_pids,
         )
     )
-
