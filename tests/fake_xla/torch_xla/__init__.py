@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from torch_xla import _fake, runtime
@@ -44,4 +42,3 @@ def launch(fn, args=(), start_method="spawn", debug_single_process=False):  # ty
 
 
 runtime._maybe_select_default_device()
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
