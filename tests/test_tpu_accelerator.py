@@ -71,3 +71,15 @@ def test_fp16_and_fp8_are_refused_on_xla_with_the_reason(precision):
         core_precision.check_precision_supported(
             precision, device_kind="tpu", local_rank=0, source="Accelerator(mixed_precision=...)"
         )
+
+
+def test_moving_a_model_to_a_device_that_makes_new_parameters_keeps_the_optimizer_on_them():
+    # XLA, like the meta device, cannot take a CPU storage in place: Module.to makes new
+    # Parameters, which an optimizer built before the move must step instead of the old ones.
+    from notebook_launcher.accelerator import xla
+
+    model = torch.nn.Linear(3, 2)
+    old = list(model.parameters())
+    swaps = xla.move_model(model, torch.device("meta"))
+    new = list(model.parameters())
+    assert [swaps[id(p)] for p in old] == new and all(p.device.type == "meta" for p in new)

@@ -220,7 +220,12 @@ class Accelerator:
         if isinstance(model, DistributedDataParallel) or is_fully_sharded(model):
             return model  # prepared already
         place = self.device_placement if device_placement is None else device_placement
-        if place:
+        if place and self.state.device_kind == "tpu":
+            from notebook_launcher.accelerator import xla
+
+            # Moving to XLA makes new Parameters: optimizers built before must follow them.
+            self._parameter_swaps.update(xla.move_model(model, self.device))
+        elif place:
             model = model.to(self.device)
         if self._precision.uses_fp8:
             self.fp8_layers = precision.convert_to_fp8(model)

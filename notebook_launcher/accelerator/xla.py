@@ -65,6 +65,18 @@ def world_size() -> int:
     return int(xr.world_size())
 
 
+def move_model(model: torch.nn.Module, device: torch.device) -> dict[int, torch.nn.Parameter]:
+    """Move ``model`` to ``device``; the new Parameter for each old one's id.
+
+    A CPU tensor's storage cannot become an XLA one in place, so ``Module.to`` swaps in new
+    Parameter objects, and an optimizer built before still holds (and steps) the CPU ones.
+    """
+    before = dict(model.named_parameters())
+    model.to(device)
+    after = dict(model.named_parameters())
+    return {id(p): after[name] for name, p in before.items() if after.get(name) is not p}
+
+
 def optimizer_step(optimizer: torch.optim.Optimizer, closure: Callable[[], float] | None) -> Any:
     """All-reduce the gradients across replicas (averaged), then step."""
     import torch_xla.core.xla_model as xm
