@@ -68,6 +68,7 @@ class HardwareReport:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["accelerator"] = self.accelerator
+        data["tpu_summary"] = self.tpu.describe() if self.tpu is not None else None
         data["default_num_processes"] = rules.default_num_processes(self)
         data["max_num_processes"] = rules.max_num_processes(self)
         data["precisions"] = rules.precision_support(self)

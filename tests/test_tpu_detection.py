@@ -135,3 +135,15 @@ def test_detection_never_imports_torch_xla():
            "PJRT_DEVICE": "TPU", "TPU_ACCELERATOR_TYPE": "v6e-1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "TPU v6e-1: 1 chip(s), 1 core(s), 1 process(es) False", out.stderr
+
+
+def test_the_report_says_in_one_line_what_a_tpu_launch_starts(monkeypatch):
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v3-8")
+    try:
+        data = hardware.detect(refresh=True).to_dict()
+        assert data["tpu_summary"] == "TPU v3-8: 4 chip(s), 8 core(s), 4 process(es) of 2 device threads each"
+        assert data["default_num_processes"] == 4 and data["max_num_processes"] == 4
+    finally:
+        monkeypatch.undo()
+        hardware.detect(refresh=True)
