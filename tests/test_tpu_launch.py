@@ -220,3 +220,22 @@ def test_the_core_trains_on_every_tpu_rank_in_bf16(tpu_machine, leak_check):
     assert (kind, precision, world) == ("XLA", "bf16", 4)
     # Gradients were averaged across the ranks: every rank holds the same weights.
     assert all(bool((w == weights[0]).all()) for w in weights)
+
+
+def crash_on(bad):
+    import ctypes
+
+    import torch_xla.runtime as xr
+
+    if xr.global_ordinal() == bad:
+        print("about to crash", flush=True)
+        ctypes.string_at(0)  # a segfault, as a broken native library would cause
+    time.sleep(120)
+
+
+@pytest.mark.parametrize("tpu_machine", ["tpu-vm-v4-8"], indirect=True)
+def test_a_crashed_tpu_rank_is_reported_with_its_signal_and_last_output(tpu_machine, leak_check):
+    with pytest.raises(RankFailedError, match=r"^Rank 1 \(pid \d+\) was killed by SIGSEGV \(segmentation fault\)") as caught:
+        notebook_launcher(crash_on, args=(1,))
+    assert "Fatal Python error: Segmentation fault" in str(caught.value)
+    assert [f.rank for f in caught.value.failures] == [1]
