@@ -284,14 +284,15 @@ def _supervise(
     os.dup2(ends[0].stdout.fileno(), 1)
     os.dup2(ends[0].stderr.fileno(), 2)
     started = _record_started_processes()
+    global _launch
+    # Handed over by fork, not through torch_xla's process pool, which pickles what it sends
+    # (a function defined in a cell would not pickle; pipes would arrive as copies).
+    _launch = _Launch(specs, ends, payload, target, dict(os.environ))
     code = 0
     try:
         import torch_xla.distributed.xla_multiprocessing as xmp
 
-        xmp.spawn(
-            _replica_entry, args=(specs, ends, payload, target, dict(os.environ)),
-            nprocs=nprocs, start_method="fork",
-        )
+        xmp.spawn(_replica_entry, nprocs=nprocs, start_method="fork")
     except BaseException as error:
         code = 1
         if type(error).__name__ != "BrokenProcessPool":  # else a rank ended and said why
@@ -346,19 +347,29 @@ def _report_spawn_failure(channel: Connection, error: BaseException) -> None:
 
 # In each rank (a process torch_xla forked, or the supervisor with one process) -------
 
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    specs: list[RankSpec]
+    ends: list[RankEnds]
+    payload: Any
+    target: RankTarget
+    supervisor_environ: dict[str, str]  # before torch_xla set each process's topology
+
+
+_launch: _Launch | None = None
 _claim_lock = threading.Lock()
 _claimed = False
 _ready = threading.Event()  # the rank's process is set up: its other replicas may run
 
 
-def _replica_entry(
-    ordinal: int, specs: list[RankSpec], ends: list[RankEnds], payload: Any, target: RankTarget,
-    supervisor_environ: dict[str, str],
-) -> None:
+def _replica_entry(ordinal: int) -> None:
     """What torch_xla calls on each replica: the first of a process runs the rank."""
     global _claimed
     import torch_xla.runtime as xr
 
+    assert _launch is not None, "set by the supervisor before it forked this process"
+    specs, ends, payload, target = _launch.specs, _launch.ends, _launch.payload, _launch.target
+    supervisor_environ = _launch.supervisor_environ
     index = int(xr.process_index())
     with _claim_lock:
         first, _claimed = not _claimed, True
