@@ -358,7 +358,7 @@ class _Launch:
 
 _launch: _Launch | None = None
 _claim_lock = threading.Lock()
-_claimed = False
+_claimed: int | None = None  # the process index of the rank this process runs
 _ready = threading.Event()  # the rank's process is set up: its other replicas may run
 
 
@@ -372,7 +372,15 @@ def _replica_entry(ordinal: int) -> None:
     supervisor_environ = _launch.supervisor_environ
     index = int(xr.process_index())
     with _claim_lock:
-        first, _claimed = not _claimed, True
+        first = _claimed is None
+        if first:
+            _claimed = index
+    if _claimed != index:
+        raise RuntimeError(
+            f"torch_xla ran the ranks of process indexes {_claimed} and {index} in one process "
+            f"(pid {os.getpid()}); each needs a process of its own. Report this with your "
+            "torch_xla version."
+        )
     if not first:
         _ready.wait()
         _run_extra_replica(payload)

@@ -7,6 +7,7 @@ import datetime
 import os
 import re
 import threading
+import time
 from typing import Any
 
 import torch
@@ -65,6 +66,14 @@ def set_replica(ordinal_: int) -> None:
 def _store() -> dist.Store:
     host, port = os.environ["FAKE_XLA_STORE"].rsplit(":", 1)
     return dist.TCPStore(host, int(port), is_master=False, timeout=_TIMEOUT)
+
+
+def wait_for_all_processes(count: int) -> None:
+    """As the real runtime's start, which connects every process of the host before any runs."""
+    store = _store()
+    store.add("fake-xla-started", 1)
+    while int(store.add("fake-xla-started", 0)) < count:
+        time.sleep(0.01)
 
 
 def group() -> Any:

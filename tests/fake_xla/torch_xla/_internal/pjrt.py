@@ -68,6 +68,7 @@ def initialize_multiprocess(local_rank: int, local_world_size: int) -> None:
                 f"{local_world_size} were started"
             )
     xm.set_replication(torch_xla.device(), xm.get_xla_supported_devices())
+    _fake.wait_for_all_processes(local_world_size)
 
 
 def run_multiprocess(fn: Callable[..., Any], *args: Any, start_method: str = "spawn",
