@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tpu_support import FAKE_XLA
+from .tpu_support import FAKE_XLA
 
 SCRIPT = Path(__file__).parent / "tpu_scripts" / "core_on_xla.py"
 ROOT = Path(__file__).parents[1]

@@ -9,7 +9,8 @@ import pytest
 
 from notebook_launcher import hardware
 from notebook_launcher.tpu import detect_tpu, parse_accelerator_type
-from tests.tpu_support import FAKE_XLA, MACHINES, build_root
+
+from .tpu_support import FAKE_XLA, MACHINES, build_root
 
 # name: (generation, chips, cores, processes, platform)
 EXPECTED = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_examples import execute
+from .test_examples import execute
 
 pytestmark = pytest.mark.kernel
 

@@ -19,7 +19,8 @@ from notebook_launcher import (
     notebook_launcher,
 )
 from notebook_launcher.errors import LaunchUnsupportedError
-from tests.tpu_support import FAKE_XLA, MACHINES, launch_environ
+
+from .tpu_support import FAKE_XLA, MACHINES, launch_environ
 
 
 def _forget_fake_xla() -> None:
