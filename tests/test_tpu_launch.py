@@ -240,3 +240,12 @@ def test_a_crashed_tpu_rank_is_reported_with_its_signal_and_last_output(tpu_mach
         notebook_launcher(crash_on, args=(1,))
     assert "Fatal Python error: Segmentation fault" in str(caught.value)
     assert [f.rank for f in caught.value.failures] == [1]
+
+
+@pytest.mark.parametrize("tpu_machine", ["tpu-vm-v4-32"], indirect=True)
+def test_one_host_of_a_multi_host_slice_is_refused_with_the_reason(tpu_machine, leak_check):
+    with pytest.raises(LaunchUnsupportedError, match=(
+        r"this machine is one of 4 hosts of a TPU v4-32 slice, and torch_xla's runtime waits "
+        r"until the processes of every host have joined"
+    )):
+        notebook_launcher(where_am_i, args=("x",))

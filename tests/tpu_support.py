@@ -39,6 +39,9 @@ MACHINES = {
                            {**COLAB, "TPU_ACCELERATOR_TYPE": "v6e-1"}),
     "tpu-vm-v4-8": Machine("tpu-vm-v4-8", "0x005e", 4, "accel",
                            {"TPU_ACCELERATOR_TYPE": "v4-8", "TPU_WORKER_ID": "0"}),
+    # One of the 4 hosts of a v4-32 slice.
+    "tpu-vm-v4-32": Machine("tpu-vm-v4-32", "0x005e", 4, "accel",
+                            {"TPU_ACCELERATOR_TYPE": "v4-32", "TPU_WORKER_ID": "1"}),
 }
 
 

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
+from notebook_launcher import hardware
 from notebook_launcher.errors import LaunchConfigError, LaunchUnsupportedError
 from notebook_launcher.launcher import rank as rank_module
 from notebook_launcher.launcher.backends.base import (
@@ -89,6 +90,15 @@ class XlaBackend(Backend):
                 "cores only through it. Install the torch_xla release that matches your torch "
                 "exactly (pip install 'torch_xla[tpu]==<your torch version>'), restart the "
                 "kernel, and launch again; or pass hardware='cpu' to run CPU ranks."
+            )
+        tpu = hardware.detect().tpu
+        if tpu is not None and tpu.hosts > 1:
+            raise LaunchUnsupportedError(
+                f"this machine is one of {tpu.hosts} hosts of a TPU {tpu.accelerator_type} slice, "
+                "and torch_xla's runtime waits until the processes of every host have joined; a "
+                "launch from this notebook starts only this host's. Run the training as a script "
+                "on every host at once (gcloud ... tpu-vm ssh --worker=all), or use a single-host "
+                "TPU (v5e-8, v4-8, v3-8, v2-8)."
             )
         who = kernel_runtime_blocker()
         if who is not None:
