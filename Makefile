@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint clean browser extension
+.PHONY: setup demo test test-xla lint clean browser extension
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,21 @@ test: setup browser
 	NOTEBOOK_LAUNCHER_BROWSER_TESTS=1 $(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
+# Opt-in: the real torch_xla on the CPU (PJRT_DEVICE=CPU). torch_xla needs its own torch
+# (a CUDA build of torch 2.9 from PyPI: ~4 GB, ~3 min), so it gets a venv of its own; the
+# package runs from this checkout (PYTHONPATH), which needs no lab extension build.
+XLA_VENV := .venv-xla
+XLA_PINS ?= "torch-xla==2.9.0" "torch==2.9.*"
+$(XLA_VENV)/.installed:
+	$(PYTHON) -m venv $(XLA_VENV)
+	$(XLA_VENV)/bin/python -m pip install -q --upgrade pip
+	$(XLA_VENV)/bin/python -m pip install -q $(XLA_PINS) "cloudpickle>=2.2" "tqdm>=4.60" \
+		"jupyter_core>=5" "jupyter_server>=2" "pytest>=8" "pytest-timeout>=2.3" "psutil>=5.9"
+	touch $@
+
+test-xla: $(XLA_VENV)/.installed
+	PYTHONPATH=$(CURDIR) PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla -s tests/test_tpu_real_xla.py
+
 # Python (ruff, mypy) and the extension's TypeScript (eslint, prettier), as JupyterLab
 # extensions lint it; jlpm comes with the test dependencies (jupyterlab).
 lint: setup
@@ -48,4 +63,4 @@ lint: setup
 	cd extension && PATH="$(CURDIR)/$(BIN):$$PATH" jlpm install && PATH="$(CURDIR)/$(BIN):$$PATH" jlpm lint:check
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(XLA_VENV) build dist *.egg-info

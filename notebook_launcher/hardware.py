@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 from notebook_launcher import rules
+from notebook_launcher.tpu import TpuInfo, detect_tpu
 
 # Re-exported for the training core, which judges a precision inside a rank.
 PRECISIONS = rules.PRECISIONS
@@ -47,6 +48,7 @@ class HardwareReport:
     python_version: str
     torch_version: str | None
     torch_xla_version: str | None
+    tpu: TpuInfo | None = None  # the TPU (or XLA on CPU with PJRT_DEVICE=CPU), see tpu.py
 
     @property
     def accelerator(self) -> str:
@@ -66,6 +68,7 @@ class HardwareReport:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["accelerator"] = self.accelerator
+        data["tpu_summary"] = self.tpu.describe() if self.tpu is not None else None
         data["default_num_processes"] = rules.default_num_processes(self)
         data["max_num_processes"] = rules.max_num_processes(self)
         data["precisions"] = rules.precision_support(self)
@@ -86,16 +89,19 @@ def detect(refresh: bool = False) -> HardwareReport:
 
 def _detect() -> HardwareReport:
     gpus, driver = _detect_gpus()
+    tpu = detect_tpu()
     return HardwareReport(
         cpu_count=available_cpu_count(),
         gpus=gpus,
         driver_version=driver,
-        tpu_cores=_detect_tpu_cores(),
+        # XLA on the CPU (PJRT_DEVICE=CPU) is reported in `tpu` but has no TPU cores.
+        tpu_cores=tpu.cores if tpu is not None and tpu.pjrt_device == "TPU" else 0,
         mps_available=_detect_mps(),
         platform=detect_platform(),
         python_version=platform.python_version(),
         torch_version=_version_of("torch"),
         torch_xla_version=_version_of("torch_xla") or _version_of("torch-xla"),
+        tpu=tpu,
     )
 
 
@@ -162,25 +168,6 @@ def _apply_visible_devices(gpus: list[GpuInfo], visible: str | None) -> tuple[Gp
             break  # CUDA stops at the first entry it cannot resolve (UUIDs are not mapped here)
         shown.append(dataclasses.replace(by_index[int(token)], index=len(shown)))
     return tuple(shown)
-
-
-def _detect_tpu_cores() -> int:
-    # Detection by environment and device files only: importing torch_xla starts its runtime.
-    if "TPU_NUM_DEVICES" in os.environ and os.environ["TPU_NUM_DEVICES"].isdigit():
-        return int(os.environ["TPU_NUM_DEVICES"])
-    accel = [d for d in _listdir("/dev") if d.startswith("accel") and d[5:].isdigit()]
-    if accel and importlib.util.find_spec("torch_xla") is not None:
-        return len(accel)
-    if "COLAB_TPU_ADDR" in os.environ or "TPU_ACCELERATOR_TYPE" in os.environ:
-        return 8
-    return 0
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
 
 
 def _detect_mps() -> bool:

@@ -62,8 +62,14 @@ def precision_support(report: HardwareReport, accelerator: str | None = None) ->
                 f"fp8 needs a Hopper or Ada GPU (compute capability 8.9 or 9.0, e.g. H100); {names} has none"
             )
     elif accelerator == "tpu":
-        support["fp16"] = "fp16 is not supported on TPU; use bf16"
-        support["fp8"] = "fp8 needs a Hopper-class NVIDIA GPU; this machine has TPU cores"
+        support["fp16"] = (
+            "fp16 is not supported on TPU; use bf16 (TPU cores compute in bfloat16 natively, "
+            "and torch_xla has no fp16 loss scaling)"
+        )
+        support["fp8"] = (
+            "fp8 needs a Hopper-class NVIDIA GPU (torchao's float8 matmuls); this machine has "
+            "TPU cores, whose reduced precision is bf16"
+        )
     else:
         device = DEVICE_WORDS.get(accelerator, accelerator.upper())
         support["fp8"] = f"fp8 needs a Hopper-class NVIDIA GPU; this machine runs ranks on {device}"
@@ -113,10 +119,17 @@ def default_num_processes(report: HardwareReport, accelerator: str | None = None
     if accelerator == "cuda":
         return len(report.gpus) or 1
     if accelerator == "tpu":
-        return report.tpu_cores or 1
+        return _tpu_processes(report)
     if accelerator == "mps":
         return 1
     return min(2, report.cpu_count) or 1
+
+
+def _tpu_processes(report: HardwareReport) -> int:
+    """torch_xla starts one process per TPU chip (XLA on the CPU: one)."""
+    if report.tpu is not None:
+        return report.tpu.processes
+    return report.tpu_cores or 1
 
 
 def max_num_processes(
@@ -131,7 +144,7 @@ def max_num_processes(
     if accelerator == "cuda":
         return len(report.gpus)
     if accelerator == "tpu":
-        return report.tpu_cores
+        return _tpu_processes(report)
     if accelerator == "mps":
         return 1
     return min(_cpu_core_limit(report), _fd_limit(open_files_limit))
@@ -167,6 +180,8 @@ def num_processes_problem(
     if value < 1:
         return f"num_processes must be at least 1; got {value}"
     limit = max_num_processes(report, accelerator, open_files_limit)
+    if accelerator == "tpu":
+        return _tpu_num_processes_problem(value, limit)
     if value <= limit:
         return None
     if accelerator == "cuda":
@@ -195,6 +210,17 @@ def num_processes_problem(
         )
         fix = f"Use num_processes<={limit}"
     return f"num_processes={value} is more CPU ranks than this machine can run: at most {limit} ({why}). {fix}"
+
+
+def _tpu_num_processes_problem(value: int, processes: int) -> str | None:
+    # torch_xla's xmp.spawn takes nprocs=None (a process per chip) or 1, nothing between.
+    if value in (processes, 1):
+        return None
+    return (
+        f"num_processes={value} cannot run on this TPU: torch_xla starts either one process per "
+        f"chip, all {processes} of them, or a single process, and refuses any other count "
+        f"(xmp.spawn takes nprocs=None or 1). Use num_processes={processes}, or 1"
+    )
 
 
 def _open_files_limit_text(open_files_limit: int | None) -> str:

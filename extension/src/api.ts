@@ -17,6 +17,18 @@ export interface IGpuInfo {
   compute_capability: string;
 }
 
+export interface ITpuInfo {
+  generation: string;
+  accelerator_type: string;
+  chips: number;
+  cores_per_chip: number;
+  processes: number;
+  hosts: number;
+  pjrt_device: string;
+  libtpu_version: string | null;
+  evidence: string[];
+}
+
 export interface IHardwareReport {
   cpu_count: number;
   gpus: IGpuInfo[];
@@ -27,6 +39,10 @@ export interface IHardwareReport {
   python_version: string;
   torch_version: string | null;
   torch_xla_version: string | null;
+  /** The TPU (or XLA on the CPU); notebook_launcher/tpu.py's TpuInfo. */
+  tpu: ITpuInfo | null;
+  /** One line: "TPU v5litepod-8: 8 chip(s), 8 core(s), 8 process(es)". */
+  tpu_summary: string | null;
   accelerator: string;
   default_num_processes: number;
   max_num_processes: number;

@@ -38,8 +38,8 @@ export class HardwareWidget extends Widget {
       const gib = (gpu.memory_mib / 1024).toFixed(1);
       rows.push([`GPU ${gpu.index}`, `${gpu.name}, ${gib} GiB`]);
     });
-    if (report.tpu_cores > 0) {
-      rows.push(['TPU cores', String(report.tpu_cores)]);
+    if (report.tpu_summary) {
+      rows.push(['TPU', report.tpu_summary]);
     }
     if (report.mps_available) {
       rows.push(['Apple MPS', 'available']);

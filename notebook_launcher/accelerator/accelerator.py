@@ -276,7 +276,12 @@ class Accelerator(Coordination, Checkpointing):
         if isinstance(model, DistributedDataParallel) or is_fully_sharded(model):
             return model  # prepared already
         place = self.device_placement if device_placement is None else device_placement
-        if place:
+        if place and self.state.device_kind == "tpu":
+            from notebook_launcher.accelerator import xla
+
+            # Moving to XLA makes new Parameters: optimizers built before must follow them.
+            self._parameter_swaps.update(xla.move_model(model, self.device))
+        elif place:
             model = model.to(self.device)
         if self._precision.uses_fp8:
             self.fp8_layers = precision.convert_to_fp8(model)
@@ -538,6 +543,11 @@ class Accelerator(Coordination, Checkpointing):
 
     def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
         """``torch.save`` once per machine (by the local main process)."""
+        if self.state.device_kind == "tpu" and not safe_serialization:
+            from notebook_launcher.accelerator import xla
+
+            xla.save(obj, f)  # every replica takes part; one writes CPU tensors
+            return
         if not self.is_local_main_process:
             return
         if safe_serialization:

@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
+from notebook_launcher.accelerator import xla
 from notebook_launcher.accelerator.dispatch import BatchDispatcher
 from notebook_launcher.accelerator.gradient_state import GradientState
 from notebook_launcher.accelerator.operations import broadcast, send_to_device
@@ -117,7 +118,7 @@ class DataLoaderShard(DataLoader):
         return getattr(batch_sampler, "sampler", None)
 
     def _move(self, batch: Any) -> Any:
-        if self.device is None:
+        if self.device is None or xla.active():  # torch_xla's loader moved it already
             return batch
         return send_to_device(batch, self.device, non_blocking=self.non_blocking)
 
@@ -151,7 +152,9 @@ class DataLoaderShard(DataLoader):
         try:
             # One batch of look-ahead tells which batch is the last, before it is used,
             # so accumulation syncs on it and gather_for_metrics trims it.
-            batches = self._source()
+            batches: Iterator[Any] = self._source()
+            if self.device is not None and xla.active():
+                batches = xla.device_batches(batches, self.device)
             current = next(batches, _DONE)
             if rng is not None:
                 torch.set_rng_state(rng)

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from notebook_launcher.accelerator import xla
 from notebook_launcher.errors import CollectiveError
 
 # torch 2.13 renamed all_gather_into_tensor; the old name warns there and is the only one before.
@@ -22,10 +23,14 @@ _all_gather_single: Callable[..., Any] = (
 
 
 def is_distributed() -> bool:
+    if xla.active():  # XLA replicas cooperate through torch_xla, with or without a group
+        return xla.world_size() > 1
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def world_size() -> int:
+    if xla.active():
+        return xla.world_size()
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
@@ -53,6 +58,8 @@ def _gather_tensor(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.ndim == 0:
         tensor = tensor.unsqueeze(0)  # a scalar per rank becomes one row per rank
     tensor = tensor.contiguous()
+    if xla.active():
+        return xla.all_gather(tensor)
     # Gloo has no all-gather for bool.
     as_bool = tensor.dtype == torch.bool
     source = tensor.to(torch.uint8) if as_bool else tensor
@@ -108,7 +115,10 @@ def gather_object(obj: Any) -> list[Any]:
     if not is_distributed():
         return list(obj) if isinstance(obj, list) else [obj]
     gathered: list[Any] = [None] * world_size()
-    dist.all_gather_object(gathered, obj)
+    if xla.active():
+        gathered = xla.gather_object(obj)
+    else:
+        dist.all_gather_object(gathered, obj)
     if isinstance(obj, list):
         return [item for part in gathered for item in part]
     return gathered
@@ -132,7 +142,9 @@ def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
 
     def reduce_one(tensor: torch.Tensor) -> torch.Tensor:
         result = tensor.clone()
-        if is_distributed():
+        if is_distributed() and xla.active():
+            result = xla.all_reduce(result, reduction)
+        elif is_distributed():
             dist.all_reduce(result, op=_REDUCE_OPS[reduction])
             if reduction == "mean":
                 result /= world_size()
@@ -147,7 +159,9 @@ def broadcast(data: Any, from_process: int = 0) -> Any:
     """The tensors of rank ``from_process``, copied in place into every rank's tensors."""
 
     def broadcast_one(tensor: torch.Tensor) -> torch.Tensor:
-        if is_distributed():
+        if is_distributed() and xla.active():
+            xla.broadcast(tensor, from_process)
+        elif is_distributed():
             dist.broadcast(tensor, src=from_process)
         return tensor
 
@@ -156,7 +170,9 @@ def broadcast(data: Any, from_process: int = 0) -> Any:
 
 def broadcast_object_list(objects: list[Any], from_process: int = 0) -> list[Any]:
     """Rank ``from_process``'s picklable objects, written into ``objects`` on every rank."""
-    if is_distributed():
+    if is_distributed() and xla.active():
+        objects[:] = xla.gather_object(list(objects))[from_process * len(objects):][: len(objects)]
+    elif is_distributed():
         dist.broadcast_object_list(objects, src=from_process)
     return objects
 

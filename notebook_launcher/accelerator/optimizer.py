@@ -77,14 +77,10 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.scaler.update()
             return result
         if self.device_kind == "tpu":
-            import torch_xla.core.xla_model as xm
+            from notebook_launcher.accelerator import xla
 
             # XLA ranks are not wrapped in DDP: this all-reduces the gradients, then steps.
-            result = xm.optimizer_step(
-                self.optimizer, optimizer_args={"closure": closure} if closure else {}
-            )
-            xm.mark_step()
-            return result
+            return xla.optimizer_step(self.optimizer, closure)
         return self.optimizer.step(closure) if closure else self.optimizer.step()
 
     @property

@@ -9,10 +9,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from notebook_launcher.accelerator import xla
 from notebook_launcher.errors import AcceleratorError
 
 
 def barrier(device_kind: str, local_rank: int) -> None:
+    if device_kind == "tpu" and xla.active():
+        xla.rendezvous("notebook_launcher.wait_for_everyone")
+        return
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     if device_kind == "cuda":

@@ -165,9 +165,9 @@ def device_for(kind: str, local_rank: int) -> torch.device:
         # A torch.device object does not touch the driver; CUDA starts at the first .to().
         return torch.device("cuda", local_rank)
     if kind == "tpu":
-        import torch_xla.core.xla_model as xm
+        from notebook_launcher.accelerator import xla
 
-        return torch.device(xm.xla_device())
+        return xla.acquire_device()
     return torch.device(kind)
 
 
@@ -179,14 +179,22 @@ def read_rank_state(cpu: bool = False, environ: Mapping[str, str] | None = None)
         detect_hardware=hardware.detect,
         cuda_built=torch.version.cuda is not None,
     )
-    rank, local_rank, world_size, local_world_size = read_rank_numbers(env)
+    if kind == "tpu":
+        from notebook_launcher.accelerator import xla
+
+        # The device first: torch_xla knows the replica numbers once its runtime runs.
+        device = xla.acquire_device()
+        rank, local_rank, world_size, local_world_size = xla.rank_numbers()
+    else:
+        rank, local_rank, world_size, local_world_size = read_rank_numbers(env)
+        device = device_for(kind, local_rank)
     return RankState(
         rank=rank,
         local_rank=local_rank,
         world_size=world_size,
         local_world_size=local_world_size,
         device_kind=kind,
-        device=device_for(kind, local_rank),
+        device=device,
     )
 
 
@@ -202,6 +210,12 @@ def init_process_group_if_needed(
     env = os.environ if environ is None else environ
     if state.device_kind == "tpu":
         import torch_xla.distributed.xla_backend  # noqa: F401  (registers the "xla" backend)
+        import torch_xla.runtime as xr
+
+        if xr.addressable_device_count() > 1:
+            # v2/v3: replicas are threads of one process, which can hold one default group;
+            # the core's collectives go through torch_xla, which needs none.
+            return False
 
         dist.init_process_group("xla", init_method="xla://")
         return True

@@ -91,7 +91,7 @@ def resolve_accelerator(hardware: Any, report: HardwareReport) -> str:
             "hardware='cuda' but no NVIDIA GPU was found (nvidia-smi lists none). "
             "Use hardware='cpu' or 'auto'."
         )
-    if accelerator == "tpu" and not report.tpu_cores:
+    if accelerator == "tpu" and not report.tpu_cores and report.tpu is None:
         raise LaunchConfigError(
             "hardware='tpu' but no TPU was found (no TPU device files or TPU environment). "
             "Use hardware='cpu' or 'auto'."

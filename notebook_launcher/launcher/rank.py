@@ -14,6 +14,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -47,6 +48,9 @@ class RankSpec:
     python_random_state: Any  # the kernel's RNG states, so every start method sees the same
     torch_rng_state: bytes | None
     keep_result_devices: bool = False  # False: tensors in the result travel back on the CPU
+    # True: return after reporting the result instead of exiting, for ranks that are workers
+    # of someone else's process pool (torch_xla's), which must see them finish their task.
+    return_when_done: bool = False
 
 
 def send(message: RankMessage) -> None:
@@ -94,6 +98,9 @@ def run_rank(
         _exit(1)
     _release_process_group()
     channel.send(result)
+    if spec.return_when_done:
+        _flush()
+        return
     _exit(0)
 
 
@@ -156,8 +163,10 @@ def _detach_from_kernel() -> None:
     # (data loader workers) in one signal, and keeps the kernel's interrupt off the rank.
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # Else a worker thread of torch_xla's: its supervisor set both before forking it.
     _forget_inherited_forkserver()
     _die_with_parent()
 
@@ -286,10 +295,14 @@ def _release_process_group() -> None:
             dist.destroy_process_group()
 
 
-def _exit(code: int) -> None:
+def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+
+
+def _exit(code: int) -> None:
+    _flush()
     # Nothing a rank started outlives it, even a daemon that left its process group
     # without running a new program (the launch's id in the environment finds those).
     with contextlib.suppress(Exception):

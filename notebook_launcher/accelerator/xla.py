@@ -1,0 +1,167 @@
+"""The training core on XLA devices (TPU cores), through torch_xla's own parts.
+
+On XLA, replicas are not wrapped in DDP: ``xm.optimizer_step`` all-reduces the gradients
+across replicas and steps; data reaches the device through torch_xla's parallel loader
+(``MpDeviceLoader``), which overlaps the host-to-device copy with compute; collectives are
+``xm.all_gather`` / ``xm.all_reduce`` and ``xm.rendezvous``; checkpoints go through
+``xm.save``, which moves tensors to the CPU and writes once. The rest of the core calls in
+here only when :func:`active` is true, i.e. after this process acquired its XLA device.
+
+torch_xla is imported lazily: a core that never runs on XLA never loads it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any, Callable
+
+import torch
+
+from notebook_launcher.rank_env import inside_rank
+
+_state = threading.local()  # per replica: v2/v3 chips run two replicas as threads of one process
+# What acquired an XLA device in a process that is no launched rank (a notebook kernel):
+# the launcher names it when it refuses to start ranks from that kernel.
+started_outside_launch: str | None = None
+
+
+def active() -> bool:
+    """This replica computes on an XLA device through the training core."""
+    return bool(getattr(_state, "active", False))
+
+
+def acquire_device() -> torch.device:
+    """This replica's XLA device; starts torch_xla's runtime if it is not running yet."""
+    global started_outside_launch
+    import torch_xla
+
+    if not inside_rank() and started_outside_launch is None:
+        started_outside_launch = "an Accelerator() created in this process (outside a launch)"
+    make_device = getattr(torch_xla, "device", None)  # torch_xla >= 2.5; xm.xla_device before
+    if make_device is None:
+        import torch_xla.core.xla_model as xm
+
+        make_device = xm.xla_device
+    device = torch.device(make_device())
+    _state.active = True
+    return device
+
+
+def rank_numbers() -> tuple[int, int, int, int]:
+    """(rank, local_rank, world_size, local_world_size) of this replica, from torch_xla."""
+    import torch_xla.runtime as xr
+
+    world_size = xr.world_size()
+    local_world_size = min(world_size, xr.local_process_count() * xr.addressable_device_count())
+    return xr.global_ordinal(), xr.local_ordinal(), world_size, local_world_size
+
+
+def world_size() -> int:
+    import torch_xla.runtime as xr
+
+    return int(xr.world_size())
+
+
+def move_model(model: torch.nn.Module, device: torch.device) -> dict[int, torch.nn.Parameter]:
+    """Move ``model`` to ``device``; the new Parameter for each old one's id.
+
+    A CPU tensor's storage cannot become an XLA one in place, so ``Module.to`` swaps in new
+    Parameter objects, and an optimizer built before still holds (and steps) the CPU ones.
+    """
+    before = dict(model.named_parameters())
+    model.to(device)
+    after = dict(model.named_parameters())
+    return {id(p): after[name] for name, p in before.items() if after.get(name) is not p}
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, closure: Callable[[], float] | None) -> Any:
+    """All-reduce the gradients across replicas (averaged), then step."""
+    import torch_xla.core.xla_model as xm
+
+    result = xm.optimizer_step(optimizer, optimizer_args={"closure": closure} if closure else {})
+    sync()
+    return result
+
+
+def sync() -> None:
+    """Cut the lazy graph here and run it (``torch_xla.sync``, once ``xm.mark_step``)."""
+    import torch_xla
+
+    cut = getattr(torch_xla, "sync", None)
+    if cut is None:
+        import torch_xla.core.xla_model as xm
+
+        cut = xm.mark_step
+    cut()
+
+
+def all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """Every replica's tensor concatenated along dim 0, in ordinal order."""
+    import torch_xla.core.xla_model as xm
+
+    return xm.all_gather(tensor, dim=0)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    import torch_xla.core.xla_model as xm
+
+    return xm.all_reduce(xm.REDUCE_SUM, tensor)
+
+
+def all_reduce(tensor: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Every replica's ``tensor`` combined elementwise: "sum" (also for "mean"), "max" or "min"."""
+    import torch_xla.core.xla_model as xm
+
+    kinds = {"sum": xm.REDUCE_SUM, "mean": xm.REDUCE_SUM, "max": xm.REDUCE_MAX, "min": xm.REDUCE_MIN}
+    return xm.all_reduce(kinds[reduction], tensor)
+
+
+def broadcast(tensor: torch.Tensor, from_process: int) -> torch.Tensor:
+    """Replica ``from_process``'s values, written into ``tensor`` on every replica."""
+    import torch_xla.runtime as xr
+
+    # A sum where only the source contributes: one all-reduce, on every torch_xla version.
+    contribution = tensor if xr.global_ordinal() == from_process else torch.zeros_like(tensor)
+    tensor.copy_(all_reduce_sum(contribution))
+    return tensor
+
+
+def gather_object(obj: Any) -> list[Any]:
+    """Every replica's picklable object, in ordinal order (an out-of-graph exchange)."""
+    import torch_xla.core.xla_model as xm
+
+    return list(xm.mesh_reduce("notebook_launcher.gather_object", obj, list))
+
+
+def rendezvous(tag: str) -> None:
+    """Wait until every replica reached ``tag`` (``xm.rendezvous``)."""
+    import torch_xla.core.xla_model as xm
+
+    xm.rendezvous(tag)
+
+
+def save(obj: Any, f: str | os.PathLike[str] | io.IOBase) -> None:
+    """``xm.save``: tensors to the CPU, written once per host. Every replica must call it."""
+    import torch_xla.core.xla_model as xm
+
+    xm.save(obj, f)
+
+
+def device_batches(batches: Iterable[Any], device: torch.device) -> Iterator[Any]:
+    """Batches moved to ``device`` by torch_xla's parallel loader (copies overlap compute)."""
+    import torch_xla.distributed.parallel_loader as pl
+
+    yield from pl.MpDeviceLoader(_Once(batches), device)
+
+
+class _Once:
+    """An iterable over an iterator the parallel loader reads from its own thread."""
+
+    def __init__(self, batches: Iterable[Any]) -> None:
+        self._batches = batches
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._batches)
