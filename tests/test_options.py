@@ -138,27 +138,6 @@ def test_unpicklable_closure_variable_is_named(leak_check):
         notebook_launcher(uses_a_lock, start_method="spawn")
 
 
-@pytest.mark.parametrize(
-    ("argument", "value"),
-    [
-        ("num_nodes", 2), ("node_rank", 1), ("rdzv_backend", "c10d"),
-        ("rdzv_endpoint", "10.0.0.1:29400"), ("rdzv_id", "job1"), ("max_restarts", 3),
-    ],
-)
-def test_scale_out_arguments_are_not_silently_ignored(argument, value, leak_check):
-    with pytest.raises(
-        NotImplementedError,
-        match=rf"{argument}={value!r} is not supported yet: multi-node and elastic launches "
-        r"\(the scale-out issue area\) are not implemented\. Leave",
-    ):
-        notebook_launcher(never_called, **{argument: value})
-
-
-def test_rdzv_conf_is_not_silently_ignored():
-    with pytest.raises(NotImplementedError, match=r"rdzv_conf=\{'timeout': 5\} is not supported yet"):
-        notebook_launcher(never_called, rdzv_conf={"timeout": 5})
-
-
 def test_tpu_is_not_silently_run_on_cpu():
     with pytest.raises(NotImplementedError, match=r"launching on TPU is not implemented yet"):
         notebook_launcher(never_called, hardware="tpu")

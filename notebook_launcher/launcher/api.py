@@ -50,11 +50,21 @@ def notebook_launcher(
     Arguments left as None take the defaults saved with the JupyterLab sidebar (read at
     each call), else the hardware's.
 
+    Several machines: call it in a notebook (or script) on each machine with the same
+    ``num_nodes``, ``rdzv_backend``, ``rdzv_endpoint`` and ``rdzv_id``, as with torchrun.
+    Global ranks are ``group_rank * num_processes + local_rank``; with ``"static"`` the
+    group rank is ``node_rank``, with ``"c10d"`` torch's rendezvous assigns it. Each kernel
+    shows its own ranks' output and returns the value of rank 0 where it holds rank 0,
+    else of its own first rank (``return_all=True``: its own ranks' values).
+
     Args:
         num_processes: ranks to start; default one per GPU, else 2 CPU ranks.
         mixed_precision: "no", "bf16", "fp16" or "fp8", passed to each rank as
             ACCELERATE_MIXED_PRECISION for the training core (or accelerate) to apply.
         use_port: the rendezvous port; default a free one, held by this kernel.
+        max_restarts: after a rank fails, stop this machine's ranks and start them all
+            again, up to this many times (saying so in the cell); then raise the failure.
+        monitor_interval: seconds between checks of timeout and stop requests.
         hardware: "auto", "cpu" or "cuda".
         start_method: "auto" (fork when safe, else a warm forkserver), "fork",
             "forkserver" or "spawn".
@@ -65,9 +75,10 @@ def notebook_launcher(
     options.check_not_inside_rank()
     options.check_function(function)
     call_args, call_kwargs = options.check_args(args, kwargs)
-    options.check_scale_out_unused(
-        node_rank, num_nodes, rdzv_backend, rdzv_endpoint, rdzv_conf, rdzv_id, max_restarts
+    rendezvous = options.check_rendezvous(
+        node_rank, num_nodes, rdzv_backend, rdzv_endpoint, rdzv_conf, rdzv_id
     )
+    restarts = options.check_max_restarts(max_restarts)
     saved = load_defaults()  # at call time: a default saved in the sidebar applies at once
     with options.blame_saved_defaults(
         num_processes is None and saved.num_processes is not None,
@@ -99,6 +110,8 @@ def notebook_launcher(
         output=options.check_output(output),
         prefix_template=options.check_prefix_template(log_line_prefix_template),
         return_all=bool(return_all),
+        rendezvous=rendezvous,
+        max_restarts=restarts,
     )
     printer = TextPrinter(plan.output, plan.prefix_template)
     values = execute(plan, function, call_args, call_kwargs, [printer, *(observers or [])])

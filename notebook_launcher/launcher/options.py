@@ -16,6 +16,7 @@ from notebook_launcher import rank_env
 from notebook_launcher.errors import LaunchConfigError, LaunchTypeError
 from notebook_launcher.hardware import PRECISIONS, HardwareReport, precision_support
 from notebook_launcher.launcher.printer import OUTPUT_MODES
+from notebook_launcher.launcher.rendezvous import RDZV_BACKENDS, RendezvousConfig
 from notebook_launcher.launcher.start_method import (
     KernelState,
     StartMethodChoice,
@@ -23,7 +24,6 @@ from notebook_launcher.launcher.start_method import (
 )
 
 HARDWARE_CHOICES = ("auto", "cpu", "cuda", "tpu", "mps")
-_SCALE_OUT = "multi-node and elastic launches (the scale-out issue area)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +40,8 @@ class LaunchPlan:
     output: str
     prefix_template: str | None
     return_all: bool
+    rendezvous: RendezvousConfig | None = None  # None: this machine alone
+    max_restarts: int = 0
 
 
 @contextlib.contextmanager
@@ -91,30 +93,61 @@ def check_args(args: Any, kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]
     return tuple(args), dict(kwargs)
 
 
-def check_scale_out_unused(
+def check_rendezvous(
     node_rank: Any, num_nodes: Any, rdzv_backend: Any, rdzv_endpoint: Any, rdzv_conf: Any,
-    rdzv_id: Any, max_restarts: Any,
-) -> None:
-    """Arguments of multi-node launches: accepted at their defaults, never silently ignored."""
-    given = {
-        "num_nodes": (num_nodes, 1),
-        "node_rank": (node_rank, 0),
-        "rdzv_backend": (rdzv_backend, "static"),
-        "rdzv_endpoint": (rdzv_endpoint, ""),
-        "rdzv_id": (rdzv_id, "none"),
-        "max_restarts": (max_restarts, 0),
-    }
-    for name, (value, default) in given.items():
-        if value != default:
-            raise NotImplementedError(
-                f"{name}={value!r} is not supported yet: {_SCALE_OUT} are not implemented. "
-                f"Leave {name} at its default ({default!r}) to launch on this machine."
-            )
-    if rdzv_conf:
-        raise NotImplementedError(
-            f"rdzv_conf={rdzv_conf!r} is not supported yet: {_SCALE_OUT} are not implemented. "
-            "Leave rdzv_conf unset to launch on this machine."
+    rdzv_id: Any,
+) -> RendezvousConfig | None:
+    """The multi-node arguments, checked; None when the launch stays on this machine."""
+    num_nodes = _whole_number("num_nodes", num_nodes, minimum=1)
+    node_rank = _whole_number("node_rank", node_rank, minimum=0)
+    if node_rank >= num_nodes:
+        raise LaunchConfigError(
+            f"node_rank={node_rank} but num_nodes={num_nodes}: node ranks run from 0 to "
+            f"{num_nodes - 1}. Give each machine its own node_rank below num_nodes."
         )
+    if rdzv_backend not in RDZV_BACKENDS:
+        raise LaunchConfigError(
+            f"rdzv_backend={rdzv_backend!r} is not known; use 'static' (node_rank decides each "
+            "machine's ranks) or 'c10d' (torch's dynamic rendezvous)."
+        )
+    if not isinstance(rdzv_endpoint, str):
+        raise LaunchTypeError(f"rdzv_endpoint must be a 'host:port' string; got {rdzv_endpoint!r}.")
+    if rdzv_conf is not None and (
+        not isinstance(rdzv_conf, Mapping) or not all(isinstance(k, str) for k in rdzv_conf)
+    ):
+        raise LaunchTypeError(
+            f"rdzv_conf must be a dict such as {{'join_timeout': 900}}; got {rdzv_conf!r}."
+        )
+    if not isinstance(rdzv_id, str) or not rdzv_id:
+        raise LaunchTypeError(f"rdzv_id must be a non-empty string naming the job; got {rdzv_id!r}.")
+    conf = dict(rdzv_conf or {})
+    for key in ("join_timeout", "last_call_timeout", "close_timeout", "timeout"):
+        if key in conf:
+            check_seconds(f"rdzv_conf[{key!r}]", _number(conf[key]), allow_none=False)
+    if num_nodes == 1 and not rdzv_endpoint:
+        return None  # one machine: the kernel hosts the store; the backends would agree
+    return RendezvousConfig(
+        backend=rdzv_backend, num_nodes=num_nodes, node_rank=node_rank,
+        endpoint=rdzv_endpoint.strip(), run_id=rdzv_id, conf=conf,
+    )
+
+
+def check_max_restarts(value: Any) -> int:
+    return _whole_number("max_restarts", value, minimum=0)
+
+
+def _whole_number(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise LaunchTypeError(f"{name} must be a whole number; got {type(value).__name__} {value!r}.")
+    if value < minimum:
+        raise LaunchConfigError(f"{name} must be at least {minimum}; got {value}.")
+    return int(value)
+
+
+def _number(value: Any) -> Any:
+    with contextlib.suppress(TypeError, ValueError):
+        return float(value)
+    return value
 
 
 def resolve_accelerator(hardware: Any, report: HardwareReport) -> str:
