@@ -24,11 +24,8 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from notebook_launcher import defaults as launch_defaults
-from notebook_launcher import hardware
+from notebook_launcher import hardware, rules
 from notebook_launcher.errors import LaunchConfigError, LaunchError
-from notebook_launcher.hardware import PRECISIONS
-from notebook_launcher.launcher.printer import OUTPUT_MODES
-from notebook_launcher.launcher.start_method import START_METHODS
 
 PROG = "notebook-launcher"
 EXIT_FAILED = 1
@@ -105,15 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="ranks to start (default: one per GPU, else 2 CPU ranks)",
     )
     run.add_argument(
-        "--mixed-precision", choices=PRECISIONS, metavar="{" + ",".join(PRECISIONS) + "}",
+        "--mixed-precision", choices=rules.PRECISIONS,
+        metavar="{" + ",".join(rules.PRECISIONS) + "}",
         help="precision the training core (or accelerate) applies in each rank",
     )
     run.add_argument(
-        "--hardware", choices=("auto", "cpu", "cuda"), default="auto",
+        "--hardware", choices=rules.HARDWARE_CHOICES, default="auto",
         help="where ranks run (default: auto)",
     )
     run.add_argument(
-        "--start-method", choices=START_METHODS, metavar="{" + ",".join(START_METHODS) + "}",
+        "--start-method", choices=rules.START_METHODS,
+        metavar="{" + ",".join(rules.START_METHODS) + "}",
         help="how rank processes start (default: auto)",
     )
     run.add_argument(
@@ -121,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop every rank and fail after this many seconds",
     )
     run.add_argument(
-        "--output", choices=OUTPUT_MODES, default="all",
+        "--output", choices=rules.OUTPUT_MODES, default="all",
         help="whose output to show: every rank, rank 0 only, or none (default: all)",
     )
     run.add_argument(

@@ -9,34 +9,59 @@ The file is small and meant to be readable by hand::
 
     {"num_processes": 2, "mixed_precision": "bf16", "start_method": "fork"}
 
-A key that is absent or null means "let the launcher decide".
+A key that is absent or null means "let the launcher decide". Above the file sits a
+kernel-level layer that ``configure()`` sets for the running kernel only; a launch takes
+each field from that layer, else from the file, and knows which one it used, so a refused
+value names where it came from. The vocabulary and the limits are those of
+:mod:`notebook_launcher.rules`; this module never imports the launcher.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
-import multiprocessing
 import os
+import stat
 import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from notebook_launcher.hardware import PRECISIONS, precision_support
-from notebook_launcher.launcher.start_method import START_METHODS
+from notebook_launcher import rules
+from notebook_launcher.errors import DefaultsError
+from notebook_launcher.rules import PRECISIONS, START_METHODS
 
 if TYPE_CHECKING:
     from notebook_launcher.hardware import HardwareReport
 
+__all__ = [
+    "FILE",
+    "KERNEL",
+    "DefaultsError",
+    "DefaultsFileWarning",
+    "EffectiveDefaults",
+    "LaunchDefaults",
+    "check_against_hardware",
+    "choices",
+    "defaults_path",
+    "describe_launch",
+    "effective_defaults",
+    "kernel_defaults",
+    "load_defaults",
+    "parse_defaults",
+    "save_defaults",
+    "set_kernel_defaults",
+]
+
 _KEYS = ("num_processes", "mixed_precision", "start_method")
-_DEVICE_WORDS = {"cuda": "GPU", "tpu": "TPU", "mps": "MPS", "cpu": "CPU"}
-
-
-class DefaultsError(ValueError):
-    """A launch default that is unknown, malformed, or impossible on this machine."""
+# A defaults file is three short keys; anything much bigger is not one (e.g. /dev/zero).
+MAX_FILE_BYTES = 64 * 1024
+# Where a default came from, as EffectiveDefaults.sources says it.
+KERNEL = "kernel"
+FILE = "file"
 
 
 class DefaultsFileWarning(UserWarning):
@@ -95,82 +120,65 @@ def _parse_num_processes(value: object) -> int | None:
 def _parse_choice(key: str, value: object, allowed: tuple[str, ...]) -> str | None:
     if value is None:
         return None
-    if not isinstance(value, str) or value not in allowed:
+    # Spelled as the launcher accepts it ("BF16" too), stored as the launcher names it.
+    if not isinstance(value, str) or rules.canonical(value) not in allowed:
         options = ", ".join(repr(a) for a in allowed)
         raise DefaultsError(f"{key} must be one of {options} (or null to decide), got {value!r}.")
-    return value
+    return str(rules.canonical(value))
 
 
 def check_against_hardware(defaults: LaunchDefaults, report: HardwareReport) -> None:
-    """Refuse defaults this machine cannot run, saying why (DefaultsError)."""
+    """Refuse defaults this machine cannot run, with the rules the launcher applies (DefaultsError)."""
     if defaults.mixed_precision is not None:
-        reason = precision_support(report).get(defaults.mixed_precision)
+        reason = rules.precision_support(report).get(defaults.mixed_precision)
         if reason is not None:
             raise DefaultsError(
                 f"mixed_precision={defaults.mixed_precision!r} cannot run here: {reason}."
             )
-    limit = max_num_processes(report)
-    if defaults.num_processes is not None and limit is not None and defaults.num_processes > limit:
-        device = _DEVICE_WORDS.get(report.accelerator, report.accelerator)
-        raise DefaultsError(
-            f"num_processes={defaults.num_processes} is more than this machine's {limit} "
-            f"{device} device(s), and each rank needs its own; choose at most {limit}."
-        )
+    if defaults.num_processes is not None:
+        problem = rules.num_processes_problem(defaults.num_processes, report)
+        if problem is not None:
+            raise DefaultsError(f"{problem}.")
     if defaults.start_method is not None:
-        reason = start_method_support().get(defaults.start_method)
+        reason = rules.start_method_support().get(defaults.start_method)
         if reason is not None:
             raise DefaultsError(
                 f"start_method={defaults.start_method!r} cannot run here: {reason}."
             )
 
 
-def max_num_processes(report: HardwareReport) -> int | None:
-    """The most ranks the machine can run, one per device; None where ranks share CPUs."""
-    if report.accelerator == "cuda":
-        return len(report.gpus)
-    if report.accelerator == "tpu":
-        return report.tpu_cores
-    if report.accelerator == "mps":
-        return 1
-    return None
-
-
-def start_method_support() -> dict[str, str | None]:
-    """Map each start method to None when this platform has it, else the reason it has not."""
-    available = set(multiprocessing.get_all_start_methods())
-    return {
-        method: None
-        if method == "auto" or method in available
-        else f"this platform has no {method!r} start method (it has {', '.join(sorted(available))})"
-        for method in START_METHODS
-    }
-
-
 def choices(report: HardwareReport) -> dict[str, Any]:
-    """What a panel offers: every option, with the reason where the machine cannot run it."""
-    return {
-        "num_processes": {
-            "min": 1,
-            "max": max_num_processes(report),
-            "default": report.default_num_processes,
-        },
-        "mixed_precision": precision_support(report),
-        "start_method": start_method_support(),
-    }
+    """What a panel offers (see :func:`notebook_launcher.rules.choices`)."""
+    return rules.choices(report)
 
 
 def load_defaults() -> LaunchDefaults:
-    """The saved defaults; none saved gives ``LaunchDefaults()``, a broken file a warning too."""
+    """The saved defaults; none saved gives ``LaunchDefaults()``, a broken file a warning too.
+
+    Only a regular file of at most MAX_FILE_BYTES is read, without blocking: a FIFO, a
+    device or a huge file in its place must not freeze the kernel or the Jupyter server.
+    """
     path = defaults_path()
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = _read_small_regular_file(path)
     except FileNotFoundError:
+        return LaunchDefaults()
+    except _NotADefaultsFile as e:
+        _warn_ignored(path, str(e))
         return LaunchDefaults()
     except OSError as e:
         _warn_ignored(path, f"it cannot be read ({e.strerror or e})")
         return LaunchDefaults()
     try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        _warn_ignored(path, f"it is not UTF-8 text (byte {e.start} is {raw[e.start:e.start + 1]!r})")
+        return LaunchDefaults()
+    try:
         data = json.loads(text)
+    except RecursionError:
+        _warn_ignored(path, "it is not valid JSON (nested too deeply)")
+        return LaunchDefaults()
     except ValueError as e:
         _warn_ignored(path, f"it is not valid JSON ({e})")
         return LaunchDefaults()
@@ -179,6 +187,117 @@ def load_defaults() -> LaunchDefaults:
     except DefaultsError as e:
         _warn_ignored(path, str(e))
         return LaunchDefaults()
+
+
+class _NotADefaultsFile(Exception):
+    """What lies at the defaults path is not a small regular file."""
+
+
+def _read_small_regular_file(path: Path) -> bytes:
+    # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever.
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # a socket, or a FIFO some platforms refuse to open so
+            raise _NotADefaultsFile("it is not a regular file") from e
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _NotADefaultsFile(f"it is not a regular file but {_file_kind(info.st_mode)}")
+        if info.st_size > MAX_FILE_BYTES:
+            raise _NotADefaultsFile(
+                f"it is {info.st_size} bytes, more than a defaults file can be ({MAX_FILE_BYTES})"
+            )
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_FILE_BYTES:  # it may grow while being read
+            chunk = os.read(fd, MAX_FILE_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_FILE_BYTES:
+            raise _NotADefaultsFile(f"it is more than {MAX_FILE_BYTES} bytes, more than a defaults file can be")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _file_kind(mode: int) -> str:
+    kinds = [
+        (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ]
+    return next((word for test, word in kinds if test(mode)), "a special file")
+
+
+# The kernel-level layer ------------------------------------------------------------
+
+_kernel_defaults: LaunchDefaults | None = None
+
+
+def set_kernel_defaults(defaults: LaunchDefaults | None) -> None:
+    """Make ``defaults`` apply to every later launch of this kernel (None: forget them).
+
+    Fields left None fall through to the saved file. Nothing is written to disk.
+    """
+    if defaults is not None and not isinstance(defaults, LaunchDefaults):
+        raise DefaultsError(
+            f"set_kernel_defaults() takes a LaunchDefaults or None; got {type(defaults).__name__} "
+            f"{defaults!r}. Build one with LaunchDefaults(num_processes=..., ...)."
+        )
+    global _kernel_defaults
+    _kernel_defaults = defaults
+
+
+def kernel_defaults() -> LaunchDefaults | None:
+    """What ``configure()`` chose in this kernel, if anything."""
+    return _kernel_defaults
+
+
+@dataclasses.dataclass(frozen=True)
+class EffectiveDefaults:
+    """The defaults a launch uses now, with where each field's value came from."""
+
+    values: LaunchDefaults
+    sources: Mapping[str, str]  # field -> KERNEL or FILE; absent: nobody chose it
+    path: Path
+
+    def source_of(self, field: str) -> str | None:
+        return self.sources.get(field)
+
+    def blame(self, field: str) -> str | None:
+        """The sentence that says where a refused value of ``field`` came from, if from here."""
+        source = self.sources.get(field)
+        if source == KERNEL:
+            return (
+                "The value came from configure() in this kernel: pass the argument explicitly, "
+                "or choose another value in configure()."
+            )
+        if source == FILE:
+            return (
+                f"The value came from your saved launch defaults ({self.path}): pass the argument "
+                "explicitly, or change the defaults in the JupyterLab sidebar or configure()."
+            )
+        return None
+
+
+def effective_defaults() -> EffectiveDefaults:
+    """This kernel's configure() choices over the saved file, read now (never cached)."""
+    saved = load_defaults()
+    kernel = _kernel_defaults or LaunchDefaults()
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for key in _KEYS:
+        mine, filed = getattr(kernel, key), getattr(saved, key)
+        if mine is not None:
+            values[key], sources[key] = mine, KERNEL
+        elif filed is not None:
+            values[key], sources[key] = filed, FILE
+    return EffectiveDefaults(LaunchDefaults(**values), sources, defaults_path())
 
 
 def _warn_ignored(path: Path, problem: str) -> None:
@@ -227,8 +346,8 @@ def _fsync_directory(directory: Path) -> None:
 
 def describe_launch(defaults: LaunchDefaults, report: HardwareReport) -> str:
     """One line saying what ``notebook_launcher()`` with no arguments will now do."""
-    count = defaults.num_processes or report.default_num_processes
-    device = _DEVICE_WORDS.get(report.accelerator, report.accelerator.upper())
+    count = defaults.num_processes or rules.default_num_processes(report)
+    device = rules.DEVICE_WORDS.get(report.accelerator, report.accelerator.upper())
     ranks = f"{count} x {device} rank{'s' if count != 1 else ''}"
     precision = defaults.mixed_precision or "no"
     precision_words = "fp32 (no mixed precision)" if precision == "no" else precision

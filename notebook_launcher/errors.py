@@ -1,7 +1,8 @@
 """The package's exceptions: what a launch raises in the notebook, and what the
 training core raises inside a rank.
 
-Bad input raises :class:`LaunchConfigError` before any process starts. A launch that
+Bad input raises :class:`LaunchConfigError` (or one of its kinds: :class:`LaunchTypeError`,
+:class:`LaunchUnsupportedError`, :class:`DefaultsError`) before any process starts. A launch that
 ran raises :class:`RankFailedError` (carrying each rank's failure as data),
 :class:`LaunchTimeoutError` or :class:`LaunchStoppedError`. The training core's errors
 derive from :class:`AcceleratorError` and also from the builtin a caller would catch
@@ -27,6 +28,22 @@ class LaunchConfigError(LaunchError, ValueError):
 
 class LaunchTypeError(LaunchConfigError, TypeError):
     """An argument has the wrong type; nothing was started."""
+
+
+class LaunchUnsupportedError(LaunchConfigError):
+    """An option this installation cannot carry out (a backend or a kind of launch); nothing was started."""
+
+
+class DefaultsError(LaunchConfigError):
+    """A launch default that is unknown, malformed, or impossible on this machine."""
+
+
+class RankInputError(LaunchError, EOFError):
+    """Raised inside a rank by ``input()``: ranks have no terminal or notebook to read from."""
+
+
+class LaunchCleanupWarning(UserWarning):
+    """A rank (or something it started) could not be ended when the launch closed."""
 
 
 @dataclasses.dataclass(frozen=True)

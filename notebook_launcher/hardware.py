@@ -20,7 +20,11 @@ import subprocess
 import sys
 from typing import Any
 
-PRECISIONS = ("no", "fp16", "bf16", "fp8")
+from notebook_launcher import rules
+
+# Re-exported for the training core, which judges a precision inside a rank.
+PRECISIONS = rules.PRECISIONS
+precision_support = rules.precision_support
 _NVIDIA_SMI_TIMEOUT_S = 10.0
 
 
@@ -57,53 +61,15 @@ class HardwareReport:
 
     @property
     def default_num_processes(self) -> int:
-        if self.gpus:
-            return len(self.gpus)
-        if self.tpu_cores:
-            return self.tpu_cores
-        if self.mps_available:
-            return 1
-        return min(2, self.cpu_count) or 1
+        return rules.default_num_processes(self)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["accelerator"] = self.accelerator
-        data["default_num_processes"] = self.default_num_processes
-        data["precisions"] = precision_support(self)
+        data["default_num_processes"] = rules.default_num_processes(self)
+        data["max_num_processes"] = rules.max_num_processes(self)
+        data["precisions"] = rules.precision_support(self)
         return data
-
-
-def precision_support(report: HardwareReport, accelerator: str | None = None) -> dict[str, str | None]:
-    """Map each precision to None when ``accelerator`` can run it, else to the reason it can't."""
-    accelerator = accelerator or report.accelerator
-    support: dict[str, str | None] = {"no": None, "bf16": None, "fp16": None, "fp8": None}
-    if accelerator == "cuda":
-        caps = [_capability(g) for g in report.gpus]
-        names = ", ".join(sorted({g.name for g in report.gpus})) or "this GPU"
-        if any(c < (8, 0) for c in caps):
-            support["bf16"] = f"bf16 needs an Ampere or newer GPU (compute capability 8.0); {names} is older"
-        if not all(c >= (8, 9) for c in caps):
-            support["fp8"] = (
-                f"fp8 needs a Hopper or Ada GPU (compute capability 8.9 or 9.0, e.g. H100); {names} has none"
-            )
-    elif accelerator == "tpu":
-        support["fp16"] = "fp16 is not supported on TPU; use bf16"
-        support["fp8"] = "fp8 needs a Hopper-class NVIDIA GPU; this machine has TPU cores"
-    else:
-        device = "CPU" if accelerator == "cpu" else accelerator.upper()
-        support["fp16"] = (
-            f"fp16 training needs a CUDA GPU (gradient scaling); this machine runs ranks on {device}: use bf16"
-        )
-        support["fp8"] = f"fp8 needs a Hopper-class NVIDIA GPU; this machine runs ranks on {device}"
-    return support
-
-
-def _capability(gpu: GpuInfo) -> tuple[int, int]:
-    try:
-        major, minor = gpu.compute_capability.split(".")
-        return int(major), int(minor)
-    except ValueError:
-        return (0, 0)
 
 
 @functools.lru_cache(maxsize=1)

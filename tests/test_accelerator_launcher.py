@@ -57,14 +57,14 @@ def test_in_launched_ranks_ours_and_accelerates_accelerator_agree_and_training_m
         torch.testing.assert_close(results[0]["state_dict"][name], value, atol=1e-6, rtol=1e-5)
 
 
-def fp16_on_cpu() -> None:
+def fp8_on_cpu() -> None:
     from notebook_launcher.accelerator import Accelerator
 
-    Accelerator(mixed_precision="fp16")
+    Accelerator(mixed_precision="fp8")
 
 
-def test_fp16_asked_for_in_a_cpu_rank_fails_the_launch_with_the_reason() -> None:
+def test_a_precision_a_cpu_rank_cannot_run_fails_the_launch_with_the_reason() -> None:
     with pytest.raises(
-        ValueError, match=r"asks for 'fp16', which cannot run here: fp16 training needs a CUDA GPU"
+        ValueError, match=r"asks for 'fp8', which cannot run here: fp8 needs a Hopper-class NVIDIA GPU"
     ):
-        notebook_launcher(fp16_on_cpu, num_processes=2)
+        notebook_launcher(fp8_on_cpu, num_processes=2)

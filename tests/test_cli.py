@@ -75,7 +75,7 @@ def test_run_help_explains_the_options_and_where_script_arguments_go():
         (("run", "{script}", "--mixed-precision", "fp9"), "invalid choice: 'fp9'"),
         (("run", "{script}", "--timeout", "-1"), "must be more than 0, got -1"),
         (("run", "{script}", "--epochs", "3"), "unrecognized arguments: --epochs 3; the script's own arguments go after --"),
-        (("run", "{script}", "--mixed-precision", "fp16"), "mixed_precision='fp16' cannot run here: fp16 training needs a CUDA GPU"),
+        (("run", "{script}", "--mixed-precision", "fp8"), "mixed_precision='fp8' cannot run here: fp8 needs a Hopper-class NVIDIA GPU"),
         (("env", "--yaml"), "unrecognized arguments: --yaml"),
     ],
 )
@@ -120,7 +120,7 @@ def test_env_text_lists_hardware_precisions_and_versions():
     done = cli("env")
     assert done.returncode == 0, done.stderr
     assert f"CPU cores       {hardware.detect().cpu_count} available" in done.stdout
-    assert "fp16          no: fp16 training needs a CUDA GPU" in done.stdout
+    assert "fp8           no: fp8 needs a Hopper-class NVIDIA GPU" in done.stdout
     assert f"torch             {hardware.detect().torch_version}" in done.stdout
     assert "saved defaults" in done.stdout
 
@@ -175,7 +175,7 @@ def test_run_with_a_failing_rank_exits_1_with_its_traceback(tmp_path):
     script = write_script(tmp_path, RANK_SCRIPT)
     done = cli("run", str(script), "-n", "2", "--", "--fail", env={**os.environ, "PID_DIR": str(tmp_path)})
     assert done.returncode == 1
-    assert "raised ValueError: rank 1 rejects the data; the other ranks were stopped." in done.stderr
+    assert "raised ValueError: rank 1 rejects the data. The other ranks were stopped." in done.stderr
     assert "Traceback from rank 1:" in done.stderr
     assert f'File "{script}", line 12, in main' in done.stderr
     assert_no_process_left(tmp_path)

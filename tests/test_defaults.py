@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -165,9 +166,10 @@ def test_a_broken_file_is_ignored_with_a_warning_naming_the_file(
 def test_impossible_precision_is_refused_with_the_hardware_reason() -> None:
     with pytest.raises(
         d.DefaultsError,
-        match=r"^mixed_precision='fp16' cannot run here: fp16 training needs a CUDA GPU \(gradient scaling\); this machine runs ranks on CPU: use bf16\.$",
+        match=r"^mixed_precision='fp8' cannot run here: fp8 needs a Hopper-class NVIDIA GPU; this machine runs ranks on CPU\.$",
     ):
-        d.check_against_hardware(d.LaunchDefaults(mixed_precision="fp16"), CPU)
+        d.check_against_hardware(d.LaunchDefaults(mixed_precision="fp8"), CPU)
+    d.check_against_hardware(d.LaunchDefaults(mixed_precision="fp16"), CPU)
     with pytest.raises(
         d.DefaultsError,
         match=r"^mixed_precision='bf16' cannot run here: bf16 needs an Ampere or newer GPU .*Tesla T4 is older\.$",
@@ -181,27 +183,32 @@ def test_more_ranks_than_devices_is_refused() -> None:
     with pytest.raises(d.DefaultsError) as info:
         d.check_against_hardware(d.LaunchDefaults(num_processes=3), TWO_T4)
     assert str(info.value) == (
-        "num_processes=3 is more than this machine's 2 GPU device(s), and each rank needs its own; "
-        "choose at most 2."
+        "num_processes=3 but this machine has 2 GPU(s) (Tesla T4, Tesla T4); each rank needs its "
+        "own GPU. Use num_processes<=2, or hardware='cpu' for CPU ranks."
     )
 
 
 def test_an_unavailable_start_method_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(d.multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+    import multiprocessing
+
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
     with pytest.raises(d.DefaultsError) as info:
         d.check_against_hardware(d.LaunchDefaults(start_method="fork"), CPU)
     assert str(info.value) == (
-        "start_method='fork' cannot run here: this platform has no 'fork' start method (it has spawn)."
+        f"start_method='fork' cannot run here: this platform ({sys.platform}) has no 'fork' "
+        "start method (it has spawn)."
     )
 
 
 def test_choices_offer_every_option_with_the_reason_where_impossible() -> None:
     offered = d.choices(TWO_T4)
-    assert offered["num_processes"] == {"min": 1, "max": 2, "default": 2}
+    assert offered["num_processes"] == {
+        "min": 1, "max": 2, "default": 2, "note": "At most 2: each rank needs its own GPU."
+    }
     assert offered["mixed_precision"]["fp16"] is None
     assert "Ampere" in offered["mixed_precision"]["bf16"]
     assert set(offered["start_method"]) == {"auto", "fork", "forkserver", "spawn"}
-    assert d.choices(CPU)["num_processes"] == {"min": 1, "max": None, "default": 2}
+    assert d.choices(CPU)["num_processes"]["max"] == 16  # 4 per core on 4 cores, at least 16
 
 
 @pytest.mark.parametrize(

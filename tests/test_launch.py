@@ -221,7 +221,7 @@ def test_a_failing_rank_raises_its_own_error_and_stops_the_others_at_once(method
     assert isinstance(error, RankFailedError)
     message = str(error)
     assert message.startswith("Rank 1 (pid ")
-    assert "raised ValueError: learning rate 10 is too large; the other ranks were stopped." in message
+    assert "raised ValueError: learning rate 10 is too large. The other ranks were stopped." in message
     assert "Traceback from rank 1:" in message and "in fail_on_rank_one" in message
     assert "run_rank" not in message  # the launcher's own frame is not the user's business
     assert [f.rank for f in error.failures] == [1]

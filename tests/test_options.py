@@ -54,8 +54,6 @@ def test_unknown_mixed_precision(leak_check):
 def test_precision_the_hardware_cannot_run(leak_check):
     with pytest.raises(LaunchConfigError, match=r"mixed_precision='fp8' cannot run here: fp8 needs a Hopper"):
         notebook_launcher(never_called, mixed_precision="fp8", hardware="cpu")
-    with pytest.raises(LaunchConfigError, match=r"mixed_precision='fp16' cannot run here: fp16 training needs a CUDA GPU"):
-        notebook_launcher(never_called, mixed_precision="fp16", hardware="cpu")
 
 
 def test_unknown_start_method(leak_check):
@@ -139,7 +137,7 @@ def test_unpicklable_closure_variable_is_named(leak_check):
 
 
 def test_tpu_is_not_silently_run_on_cpu():
-    with pytest.raises(NotImplementedError, match=r"launching on TPU is not implemented yet"):
+    with pytest.raises(LaunchConfigError, match=r"hardware='tpu' but no TPU was found"):
         notebook_launcher(never_called, hardware="tpu")
 
 
@@ -159,8 +157,8 @@ def test_cuda_requested_without_a_gpu(monkeypatch, tmp_path):
 @pytest.mark.parametrize(
     ("argument", "value", "message"),
     [
-        ("timeout", 0, r"timeout must be a positive number of seconds; got 0\."),
-        ("monitor_interval", "fast", r"monitor_interval must be a positive number of seconds; got 'fast'\."),
+        ("timeout", 0, r"timeout must be a positive number of seconds; got 0\. Pass e\.g\. timeout=600, or leave it None for no limit\."),
+        ("monitor_interval", "fast", r"monitor_interval must be a number of seconds; got str 'fast'\. Pass e\.g\. monitor_interval=0\.1\."),
         ("output", "loud", r"output='loud' is not an output mode; use 'all'"),
         ("hardware", "gpu", r"hardware='gpu' is not known; use one of 'auto', 'cpu', 'cuda'"),
         ("log_line_prefix_template", 3, r"log_line_prefix_template must be a string"),

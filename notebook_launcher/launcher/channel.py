@@ -3,8 +3,8 @@
 Output travels separately, through the rank's stdout and stderr pipes, so that what
 C/C++ code writes is caught too. This channel carries what has structure: the result,
 a failure, and the live kinds a dashboard reads (progress, metrics). A new kind is a new
-dataclass here plus its handling in the monitor; older launchers ignore kinds they do
-not know.
+dataclass here plus its handling in the rank group (or a handler passed to it, as
+sessions do); kinds nobody handles are ignored.
 """
 
 from __future__ import annotations
@@ -16,8 +16,16 @@ import cloudpickle
 
 
 @dataclasses.dataclass(frozen=True)
+class Hello:
+    """The first message of every rank: its pid, which some backends learn only so."""
+
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Result:
     payload: bytes  # the return value, cloudpickled
+    exit_code: int | str | None = None  # set when the function ended with sys.exit(0 / None)
 
     def value(self) -> Any:
         return cloudpickle.loads(self.payload)
@@ -45,4 +53,4 @@ class Metric:
     step: int | None = None
 
 
-RankMessage = Union[Result, Failure, Progress, Metric]
+RankMessage = Union[Hello, Result, Failure, Progress, Metric]

@@ -9,7 +9,7 @@ timeout, an interrupt or a stop from the sidebar ends the launch without a resta
 from __future__ import annotations
 
 from notebook_launcher.errors import RankFailure
-from notebook_launcher.launcher.monitor import Outcome
+from notebook_launcher.launcher.rank_group import Outcome
 
 
 def should_restart(outcome: Outcome, attempt: int, max_restarts: int) -> bool:

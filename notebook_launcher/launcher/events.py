@@ -24,8 +24,8 @@ class LaunchStarted:
 
 @dataclasses.dataclass(frozen=True)
 class RankStarted:
-    rank: int
-    pid: int
+    rank: int  # global rank
+    pid: int | None  # None where the backend learns it only when the rank reports it
     device: str
 
 
@@ -57,6 +57,7 @@ class RankFinished:
     rank: int
     exitcode: int | None
     failure: RankFailure | None  # None: returned normally, or was stopped by the launcher
+    state: str = "done"  # "done" (returned), "failed" or "stopped" (by the launcher)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,9 @@ class GroupRestarting:
 
 @dataclasses.dataclass(frozen=True)
 class LaunchFinished:
-    outcome: str  # "ok", "failed", "timeout", "interrupted" or "stopped"
+    # "ok", "failed", "timeout", "interrupted", "stopped", or "error" (the launcher or an
+    # observer raised); sent on every path that sent LaunchStarted
+    outcome: str
     elapsed: float
 
 

@@ -1,67 +1,26 @@
-"""Checking a launch's arguments before anything starts, and resolving them into a plan.
+"""Checking each argument of a launch before anything starts.
 
-Each check is a small function whose message says what was given, why it cannot work
-and what to do instead.
+Each check is a small pure function whose message says what was given, why it cannot
+work and what to do instead; :mod:`notebook_launcher.launcher.plan` composes them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import math
 import numbers
-from collections.abc import Iterator, Mapping
+import types
+from collections.abc import Mapping
 from typing import Any
 
-from notebook_launcher import rank_env
+from notebook_launcher import rules
 from notebook_launcher.errors import LaunchConfigError, LaunchTypeError
-from notebook_launcher.hardware import PRECISIONS, HardwareReport, precision_support
-from notebook_launcher.launcher.printer import OUTPUT_MODES
-from notebook_launcher.launcher.rendezvous import RDZV_BACKENDS, RendezvousConfig
-from notebook_launcher.launcher.start_method import (
-    KernelState,
-    StartMethodChoice,
-    choose_start_method,
-)
-
-HARDWARE_CHOICES = ("auto", "cpu", "cuda", "tpu", "mps")
+from notebook_launcher.hardware import HardwareReport
+from notebook_launcher.launcher.rendezvous import RDZV_BACKENDS
 
 
-@dataclasses.dataclass(frozen=True)
-class LaunchPlan:
-    num_processes: int
-    accelerator: str  # "cpu" or "cuda"
-    mixed_precision: str
-    start: StartMethodChoice
-    master_addr: str
-    port: int | None  # None: the OS picks a free one
-    threads_per_rank: int | None
-    timeout: float | None
-    monitor_interval: float
-    output: str
-    prefix_template: str | None
-    return_all: bool
-    rendezvous: RendezvousConfig | None = None  # None: this machine alone
-    max_restarts: int = 0
-
-
-@contextlib.contextmanager
-def blame_saved_defaults(*used: bool) -> Iterator[None]:
-    """Say so when a refused value came from the saved defaults, not from the call."""
-    try:
-        yield
-    except LaunchConfigError as error:
-        if not any(used):
-            raise
-        from notebook_launcher.defaults import defaults_path
-
-        raise type(error)(
-            f"{error} The value came from your saved launch defaults ({defaults_path()}): pass "
-            "the argument explicitly, or change the defaults in the JupyterLab sidebar."
-        ) from error
-
-
-def check_not_inside_rank() -> None:
-    if rank_env.inside_rank():
+def check_not_inside_rank(inside_rank: bool) -> None:
+    if inside_rank:
         raise LaunchConfigError(
             "notebook_launcher() was called inside a rank of a running launch; launches "
             "cannot be nested. Call it from the notebook, and run the per-rank code directly "
@@ -93,11 +52,11 @@ def check_args(args: Any, kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]
     return tuple(args), dict(kwargs)
 
 
-def check_rendezvous(
-    node_rank: Any, num_nodes: Any, rdzv_backend: Any, rdzv_endpoint: Any, rdzv_conf: Any,
-    rdzv_id: Any,
-) -> RendezvousConfig | None:
-    """The multi-node arguments, checked; None when the launch stays on this machine."""
+def check_scale_out(
+    num_nodes: Any, node_rank: Any, rdzv_backend: Any, rdzv_endpoint: Any, rdzv_conf: Any,
+    rdzv_id: Any, max_restarts: Any,
+) -> dict[str, Any]:
+    """The multi-node and elastic arguments, checked (LaunchPlan's fields of those names)."""
     num_nodes = _whole_number("num_nodes", num_nodes, minimum=1)
     node_rank = _whole_number("node_rank", node_rank, minimum=0)
     if node_rank >= num_nodes:
@@ -123,17 +82,16 @@ def check_rendezvous(
     conf = dict(rdzv_conf or {})
     for key in ("join_timeout", "last_call_timeout", "close_timeout", "timeout"):
         if key in conf:
-            check_seconds(f"rdzv_conf[{key!r}]", _number(conf[key]), allow_none=False)
-    if num_nodes == 1 and not rdzv_endpoint:
-        return None  # one machine: the kernel hosts the store; the backends would agree
-    return RendezvousConfig(
-        backend=rdzv_backend, num_nodes=num_nodes, node_rank=node_rank,
-        endpoint=rdzv_endpoint.strip(), run_id=rdzv_id, conf=conf,
-    )
-
-
-def check_max_restarts(value: Any) -> int:
-    return _whole_number("max_restarts", value, minimum=0)
+            check_seconds(f"rdzv_conf[{key!r}]", _number(conf[key]), example="900", allow_none=False)
+    return {
+        "num_nodes": num_nodes,
+        "node_rank": node_rank,
+        "rdzv_backend": rdzv_backend,
+        "rdzv_endpoint": rdzv_endpoint.strip(),
+        "rdzv_id": rdzv_id,
+        "rdzv_conf": types.MappingProxyType(conf),
+        "max_restarts": _whole_number("max_restarts", max_restarts, minimum=0),
+    }
 
 
 def _whole_number(name: str, value: Any, minimum: int) -> int:
@@ -151,61 +109,71 @@ def _number(value: Any) -> Any:
 
 
 def resolve_accelerator(hardware: Any, report: HardwareReport) -> str:
-    if hardware not in HARDWARE_CHOICES:
+    name = rules.canonical(hardware)
+    if name not in rules.HARDWARE_CHOICES:
         raise LaunchConfigError(
             f"hardware={hardware!r} is not known; use one of "
-            + ", ".join(repr(h) for h in HARDWARE_CHOICES)
+            + ", ".join(repr(h) for h in rules.HARDWARE_CHOICES)
             + "."
         )
-    accelerator = report.accelerator if hardware == "auto" else hardware
+    accelerator = report.accelerator if name == "auto" else str(name)
     if accelerator == "cuda" and not report.gpus:
         raise LaunchConfigError(
             "hardware='cuda' but no NVIDIA GPU was found (nvidia-smi lists none). "
             "Use hardware='cpu' or 'auto'."
         )
-    if accelerator in ("tpu", "mps"):
-        raise NotImplementedError(
-            f"launching on {accelerator.upper()} is not implemented yet (the {accelerator.upper()} "
-            "issue area). Pass hardware='cpu' to run CPU ranks meanwhile."
+    if accelerator == "tpu" and not report.tpu_cores:
+        raise LaunchConfigError(
+            "hardware='tpu' but no TPU was found (no TPU device files or TPU environment). "
+            "Use hardware='cpu' or 'auto'."
         )
     return accelerator
 
 
+def resolve_backend(backend: Any, accelerator: str) -> str:
+    """The backend module that starts the ranks: the user's choice, else by the device."""
+    name = rules.canonical(backend)
+    if name not in rules.BACKENDS:
+        raise LaunchConfigError(
+            f"backend={backend!r} is not known; use one of "
+            + ", ".join(repr(b) for b in rules.BACKENDS)
+            + " ('auto' picks by the hardware)."
+        )
+    if name == "auto":
+        return "xla" if accelerator == "tpu" else "local"
+    return str(name)
+
+
 def check_num_processes(value: Any, accelerator: str, report: HardwareReport) -> int:
     if value is None:
-        return len(report.gpus) if accelerator == "cuda" else min(2, report.cpu_count) or 1
+        return rules.default_num_processes(report, accelerator)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise LaunchTypeError(
             f"num_processes must be a whole number of ranks; got {type(value).__name__} "
             f"{value!r}. Pass e.g. num_processes=2."
         )
     value = int(value)
-    if value < 1:
-        raise LaunchConfigError(f"num_processes must be at least 1; got {value}.")
-    if accelerator == "cuda" and value > len(report.gpus):
-        names = ", ".join(g.name for g in report.gpus)
-        raise LaunchConfigError(
-            f"num_processes={value} but this machine has {len(report.gpus)} GPU(s) ({names}); "
-            f"each rank needs its own GPU. Use num_processes<={len(report.gpus)}, or "
-            "hardware='cpu' for CPU ranks."
-        )
+    problem = rules.num_processes_problem(value, report, accelerator)
+    if problem is not None:
+        raise LaunchConfigError(f"{problem}.")
     return value
 
 
 def check_mixed_precision(value: Any, accelerator: str, report: HardwareReport) -> str:
     if value is None:
         return "no"
-    if not isinstance(value, str) or value.lower() not in PRECISIONS:
+    name = rules.canonical(value)
+    if name not in rules.PRECISIONS:
         raise LaunchConfigError(
             f"mixed_precision={value!r} is not known; use one of "
-            + ", ".join(repr(p) for p in PRECISIONS)
+            + ", ".join(repr(p) for p in rules.PRECISIONS)
             + "."
         )
-    value = value.lower()
-    reason = precision_support(report, accelerator)[value]
+    precision = str(name)
+    reason = rules.precision_support(report, accelerator)[precision]
     if reason is not None:
-        raise LaunchConfigError(f"mixed_precision={value!r} cannot run here: {reason}.")
-    return value
+        raise LaunchConfigError(f"mixed_precision={precision!r} cannot run here: {reason}.")
+    return precision
 
 
 def check_port(use_port: Any) -> int | None:
@@ -221,21 +189,33 @@ def check_port(use_port: Any) -> int | None:
     return int(text)
 
 
-def check_seconds(name: str, value: Any, allow_none: bool) -> float | None:
+def check_seconds(name: str, value: Any, *, example: str, allow_none: bool) -> float | None:
+    """A positive, finite number of seconds (None too, where it means "no limit")."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
-        raise LaunchConfigError(f"{name} must be a positive number of seconds; got {value!r}.")
-    return float(value)
+    unset = ", or leave it None for no limit" if allow_none else ""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise LaunchTypeError(
+            f"{name} must be a number of seconds; got {type(value).__name__} {value!r}. "
+            f"Pass e.g. {name}={example}{unset}."
+        )
+    seconds = float(value)
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise LaunchConfigError(
+            f"{name} must be a positive number of seconds; got {value!r}. "
+            f"Pass e.g. {name}={example}{unset}."
+        )
+    return seconds
 
 
 def check_output(output: Any) -> str:
-    if output not in OUTPUT_MODES:
+    name = rules.canonical(output)
+    if name not in rules.OUTPUT_MODES:
         raise LaunchConfigError(
             f"output={output!r} is not an output mode; use 'all' (every rank, prefixed), "
             "'main' (rank 0 only) or 'none'."
         )
-    return str(output)
+    return str(name)
 
 
 def check_prefix_template(template: Any) -> str | None:
@@ -246,8 +226,10 @@ def check_prefix_template(template: Any) -> str | None:
     return template
 
 
-def choose_start(requested: Any, kernel: KernelState) -> StartMethodChoice:
-    return choose_start_method(str(requested) if requested is not None else "auto", kernel)
+def check_flag(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, numbers.Integral)) or value not in (0, 1):
+        raise LaunchTypeError(f"{name} must be True or False; got {type(value).__name__} {value!r}.")
+    return bool(value)
 
 
 def threads_per_rank(num_processes: int, report: HardwareReport) -> int:

@@ -12,8 +12,9 @@ from notebook_launcher.launcher.events import (
     LaunchStarted,
     OutputLine,
 )
+from notebook_launcher.rules import OUTPUT_MODES
 
-OUTPUT_MODES = ("all", "main", "none")
+__all__ = ["DEFAULT_PREFIX", "OUTPUT_MODES", "TextPrinter"]
 DEFAULT_PREFIX = "[rank${rank}]: "
 _PROGRESS_INTERVAL_S = 1.0
 

@@ -5,6 +5,7 @@ Kept light to import: the forkserver preloads it together with torch.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import faulthandler
@@ -16,12 +17,16 @@ import sys
 import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-from notebook_launcher.launcher.channel import Failure, Metric, RankMessage, Result
+from notebook_launcher.errors import RankInputError
+from notebook_launcher.launcher.channel import Failure, Hello, Metric, RankMessage, Result
 from notebook_launcher.tracking import add_metric_sink
+
+if TYPE_CHECKING:
+    from notebook_launcher.launcher.backends.base import RankEnds
 
 _channel: Connection | None = None
 
@@ -30,7 +35,7 @@ _channel: Connection | None = None
 class RankSpec:
     """Everything a rank needs besides the function itself; pickled for non-fork starts."""
 
-    rank: int
+    rank: int  # global rank
     local_rank: int
     environ: dict[str, str]
     cwd: str
@@ -39,6 +44,7 @@ class RankSpec:
     threads: int | None
     python_random_state: Any  # the kernel's RNG states, so every start method sees the same
     torch_rng_state: bytes | None
+    keep_result_devices: bool = False  # False: tensors in the result travel back on the CPU
 
 
 def send(message: RankMessage) -> None:
@@ -50,17 +56,18 @@ def send(message: RankMessage) -> None:
 def run_rank(
     spec: RankSpec,
     payload: bytes | tuple[Any, tuple[Any, ...], dict[str, Any]],
-    stdout: Connection,
-    stderr: Connection,
-    channel: Connection,
+    ends: RankEnds,
 ) -> None:
     """Process target: become a clean rank, run the function, report how it ended."""
     global _channel
+    channel = ends.channel
     _channel = channel
+    channel.send(Hello(os.getpid()))
     add_metric_sink(_forward_metric)
     _detach_from_kernel()
-    _redirect_output(stdout, stderr)
+    _redirect_output(ends.stdout, ends.stderr)
     _apply_kernel_state(spec)
+    exit_code: int | str | None = None
     try:
         function, args, kwargs = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
         value = function(*args, **kwargs)
@@ -68,12 +75,12 @@ def run_rank(
         if exit_request.code not in (None, 0):
             _report_failure(exit_request)
             _exit(1)
-        value = None
+        value, exit_code = None, exit_request.code if exit_request.code is not None else 0
     except BaseException as error:
         _report_failure(error)
         _exit(1)
     try:
-        result = Result(cloudpickle.dumps(value))
+        result = Result(dump_result(value, spec.keep_result_devices), exit_code)
     except Exception as error:
         wrapped = TypeError(
             f"the return value of rank {spec.rank} (a {type(value).__name__}) cannot be pickled "
@@ -84,6 +91,27 @@ def run_rank(
     _release_process_group()
     channel.send(result)
     _exit(0)
+
+
+def dump_result(value: Any, keep_devices: bool) -> bytes:
+    """Cloudpickle a return value; tensors on an accelerator travel as CPU tensors unless
+    ``keep_devices``: rebuilt on a GPU in the kernel, they would initialise CUDA there."""
+    if keep_devices or "torch" not in sys.modules:
+        return cloudpickle.dumps(value)
+    buffer = io.BytesIO()
+    _CpuTensorPickler(buffer).dump(value)
+    return buffer.getvalue()
+
+
+class _CpuTensorPickler(cloudpickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules["torch"]
+        if isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+            moved = obj.detach().cpu()
+            if isinstance(obj, torch.nn.Parameter):
+                moved = torch.nn.Parameter(moved, requires_grad=obj.requires_grad)
+            return moved.__reduce_ex__(5)
+        return super().reducer_override(obj)
 
 
 def _forward_metric(rank: int, step: int | None, values: dict[str, Any]) -> None:
@@ -138,10 +166,12 @@ def _die_with_parent() -> None:
 
 
 def _redirect_output(stdout: Connection, stderr: Connection) -> None:
-    """Point fds 1 and 2 at the launcher's pipes, so C/C++ output is caught as well."""
+    """Point fds 1 and 2 at the launcher's pipes, so C/C++ output is caught as well, and
+    fd 0 at /dev/null: a rank has no terminal or notebook to read from."""
     for connection, fd in ((stdout, 1), (stderr, 2)):
         os.dup2(connection.fileno(), fd)
         connection.close()
+    _no_stdin()
     # Replace whatever the kernel installed (ipykernel's streams talk to its own sockets).
     for name, fd in (("stdout", 1), ("stderr", 2)):
         stream = io.TextIOWrapper(
@@ -150,6 +180,31 @@ def _redirect_output(stdout: Connection, stderr: Connection) -> None:
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
     faulthandler.enable(file=sys.stderr, all_threads=False)
+
+
+def _no_stdin() -> None:
+    null = os.open(os.devnull, os.O_RDONLY)
+    if null != 0:
+        os.dup2(null, 0)
+        os.close(null)
+    stdin = io.TextIOWrapper(os.fdopen(0, "rb", closefd=False))
+    sys.stdin = stdin
+    sys.__stdin__ = stdin  # type: ignore[misc]
+    # ipykernel's input() asks the notebook frontend, which would wait for an answer
+    # the rank can never receive: fail at once instead.
+    builtins.input = _no_input
+    getpass: Any = sys.modules.get("getpass")
+    if getpass is not None:
+        getpass.getpass = _no_input
+
+
+def _no_input(prompt: object = "", *args: Any, **kwargs: Any) -> str:
+    shown = f" (prompt {str(prompt)!r})" if prompt else ""
+    raise RankInputError(
+        f"input(){shown} cannot be used in a rank: ranks have no terminal or notebook to read "
+        "from (their stdin is /dev/null). Read the value in the notebook before the launch "
+        "and pass it to the function with args= or kwargs=."
+    )
 
 
 def _apply_kernel_state(spec: RankSpec) -> None:

@@ -30,10 +30,13 @@ import socket
 import time
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 from notebook_launcher.errors import LaunchConfigError, LaunchError
 from notebook_launcher.launcher.store import RendezvousStore, bind_listener
+
+if TYPE_CHECKING:
+    from notebook_launcher.launcher.plan import LaunchPlan
 
 RDZV_BACKENDS = ("static", "c10d")
 _STATIC_DEFAULT_PORT = 29500  # accelerate's and torchrun's defaults
@@ -260,9 +263,23 @@ class NodeRendezvous:
         self._store = None  # a hosted store stops listening when released
 
 
+Rendezvous = Union[LocalRendezvous, NodeRendezvous]
+
+
+def config_of(plan: LaunchPlan) -> RendezvousConfig | None:
+    """The plan's multi-node arguments; None for one machine without an endpoint (the
+    kernel hosts the store itself: the static and c10d backends would agree)."""
+    if plan.num_nodes == 1 and not plan.rdzv_endpoint:
+        return None
+    return RendezvousConfig(
+        backend=plan.rdzv_backend, num_nodes=plan.num_nodes, node_rank=plan.node_rank,
+        endpoint=plan.rdzv_endpoint, run_id=plan.rdzv_id, conf=dict(plan.rdzv_conf),
+    )
+
+
 def open_rendezvous(
     config: RendezvousConfig | None, master_addr: str, port: int | None, nproc: int
-) -> LocalRendezvous | NodeRendezvous:
+) -> Rendezvous:
     if config is None:
         return LocalRendezvous(master_addr, port, nproc)
     return NodeRendezvous(config, master_addr, port, nproc)

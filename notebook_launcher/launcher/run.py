@@ -1,50 +1,52 @@
-"""Running one planned launch: start the ranks, watch them, clean up, report."""
+"""Running one planned launch: plan -> rank group -> report.
+
+Every resource of the launch (the store's port, the ranks and their pipes, the sidebar's
+record) is released through one ExitStack, so an interrupt at any moment, even a second
+one while the ranks are being stopped, leaves nothing behind, and ``LaunchFinished`` is
+sent on every path that sent ``LaunchStarted``.
+"""
 
 from __future__ import annotations
 
-import multiprocessing
+import contextlib
 import os
 import random
 import sys
 import time
 import uuid
-from multiprocessing.context import BaseContext
+from types import TracebackType
 from typing import Any, Callable
 
 from notebook_launcher import rank_env, registry
-from notebook_launcher.errors import (
-    LaunchStoppedError,
-    LaunchTimeoutError,
-    RankFailedError,
-    rank_failed_error_class,
-)
-from notebook_launcher.launcher import elastic
+from notebook_launcher.launcher import backends, elastic, rendezvous, report
 from notebook_launcher.launcher.events import (
     GroupRestarting,
     LaunchEvent,
     LaunchFinished,
     LaunchObserver,
     LaunchStarted,
-    RankStarted,
 )
-from notebook_launcher.launcher.monitor import Monitor, Outcome
-from notebook_launcher.launcher.options import LaunchPlan
-from notebook_launcher.launcher.pickling import dump_payload
-from notebook_launcher.launcher.processes import RankProcess, close_all
+from notebook_launcher.launcher.plan import LaunchPlan
 from notebook_launcher.launcher.rank import RankSpec
-from notebook_launcher.launcher.rendezvous import Round, open_rendezvous
-
-# Modules the forkserver imports once, so each later rank starts in milliseconds.
-_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "notebook_launcher.launcher.rank"]
-_STOP_GRACE_S = 3.0
+from notebook_launcher.launcher.rank_group import Outcome, RankGroup
+from notebook_launcher.launcher.rendezvous import Rendezvous, Round, open_rendezvous
 
 
-def start_context(method: str) -> BaseContext:
-    context = multiprocessing.get_context(method)
-    if method == "forkserver":
-        # Takes effect when the forkserver first starts; it then stays warm for the kernel.
-        context.set_forkserver_preload(_FORKSERVER_PRELOAD)
-    return context
+class Emitter:
+    """Sends each event to every observer, in the calling thread."""
+
+    def __init__(self, observers: list[LaunchObserver]) -> None:
+        self._observers = observers
+
+    def __call__(self, event: LaunchEvent) -> None:
+        for observer in self._observers:
+            observer.on_event(event)
+
+    def safely(self, event: LaunchEvent) -> None:
+        """Deliver to every observer even if one raises (the launch is ending anyway)."""
+        for observer in self._observers:
+            with contextlib.suppress(Exception):
+                observer.on_event(event)
 
 
 def execute(
@@ -54,34 +56,30 @@ def execute(
     kwargs: dict[str, Any],
     observers: list[LaunchObserver],
 ) -> list[Any]:
-    """Run ``function`` on every rank of ``plan`` on this machine; return their values.
+    """Run ``function`` on every rank of ``plan`` on this machine; return their values,
+    in rank order (on several machines: this machine's ranks').
 
-    The values are this machine's ranks', in local rank order (on one machine: by rank).
+    Each attempt (the first, and each restart of ``max_restarts``) is one rendezvous
+    round with a fresh store and a fresh rank group.
     """
-    fork = plan.start.method == "fork"
-    # By value for fresh interpreters; a fork shares the kernel's memory as it is.
-    payload: Any = (function, args, kwargs) if fork else dump_payload(function, args, kwargs)
-
-    def emit(event: LaunchEvent) -> None:
-        for observer in observers:
-            observer.on_event(event)
-
+    backend = backends.lookup(plan.backend)
+    backends.check_supports(backend, plan.accelerator)
+    backend.check(plan)
+    payload = backend.prepare_payload(plan, (function, args, kwargs))  # refuses what cannot travel
+    emit = Emitter(observers)
+    launch_id = uuid.uuid4().hex[:12]
     started = time.monotonic()
     deadline = started + plan.timeout if plan.timeout is not None else None
-    launch_id = uuid.uuid4().hex[:12]
-    rendezvous = open_rendezvous(plan.rendezvous, plan.master_addr, plan.port, plan.num_processes)
-    try:
+    with contextlib.ExitStack() as cleanup:
+        meeting = open_rendezvous(rendezvous.config_of(plan), plan.master_addr, plan.port,
+                                  plan.num_processes)
+        cleanup.callback(meeting.close)
         emit(LaunchStarted(plan.num_processes, plan.start.method, plan.accelerator,
                            plan.mixed_precision, plan.start.fallback_reason))
+        cleanup.push(_FinishedOnError(emit, started))
         attempt = 0
         while True:
-            round_ = rendezvous.next_round(attempt)
-            try:
-                outcome, ranks_here = _run_group(
-                    plan, payload, fork, round_, attempt, launch_id, emit, deadline
-                )
-            finally:
-                round_.close()
+            outcome = _run_attempt(plan, backend, payload, meeting, attempt, launch_id, emit, deadline)
             if not elastic.should_restart(outcome, attempt, plan.max_restarts):
                 break
             attempt += 1
@@ -89,93 +87,62 @@ def execute(
             emit(GroupRestarting(attempt, plan.max_restarts, failure,
                                  elastic.restart_line(attempt, plan.max_restarts, failure)))
         if not (outcome.failures or outcome.timed_out_ranks or outcome.stopped_from_outside):
-            rendezvous.finish()
-    except KeyboardInterrupt:
-        emit(LaunchFinished("interrupted", time.monotonic() - started))
-        raise
-    finally:
-        rendezvous.close()
-    return _finish(outcome, ranks_here, plan, emit, time.monotonic() - started)
+            meeting.finish()
+    return report.finish(outcome, plan, emit, time.monotonic() - started)
 
 
-def _run_group(
+def _run_attempt(
     plan: LaunchPlan,
+    backend: Any,
     payload: Any,
-    fork: bool,
-    round_: Round,
+    meeting: Rendezvous,
     attempt: int,
     launch_id: str,
-    emit: Callable[[LaunchEvent], None],
+    emit: Emitter,
     deadline: float | None,
-) -> tuple[Outcome, list[int]]:
-    """Start this machine's ranks for one round, watch them until they end, stop them."""
-    ranks: list[RankProcess] = []
-    record = None
-    specs = _rank_specs(plan, launch_id, round_, attempt, fork)
-    try:
-        context = start_context(plan.start.method)
-        for spec in specs:
-            ranks.append(RankProcess(context, spec, payload))
-            emit(RankStarted(spec.rank, ranks[-1].pid, _device(plan, spec.local_rank)))
-        record = _register(launch_id, plan, [r.pid for r in ranks])
-        outcome = Monitor(
-            ranks, emit, poll_interval=plan.monitor_interval, deadline=deadline,
-            stop_requested=record.stop_requested, grace_s=_STOP_GRACE_S,
-        ).run()
-    finally:
-        close_all(ranks, _STOP_GRACE_S)
-        if record is not None:
-            record.close()
-    return outcome, [spec.rank for spec in specs]
-
-
-def _finish(
-    outcome: Outcome,
-    ranks_here: list[int],
-    plan: LaunchPlan,
-    emit: Callable[[LaunchEvent], None],
-    elapsed: float,
-) -> list[Any]:
-    if outcome.failures:
-        emit(LaunchFinished("failed", elapsed))
-        raise _rank_failed_error(outcome)
-    if outcome.timed_out_ranks:
-        emit(LaunchFinished("timeout", elapsed))
-        ranks = ", ".join(str(r) for r in outcome.timed_out_ranks)
-        raise LaunchTimeoutError(
-            f"the launch ran past timeout={plan.timeout:g}s; rank(s) {ranks} were still running "
-            "and have been stopped. Raise timeout= if the work needs longer, or look at where "
-            "those ranks wait (a collective that other ranks never reach hangs)."
+) -> Outcome:
+    """One round: start this machine's ranks, run them until an outcome, close them."""
+    with contextlib.ExitStack() as cleanup:
+        round_ = meeting.next_round(attempt)
+        cleanup.callback(round_.close)
+        group = RankGroup(
+            plan, backend, rank_specs(plan, launch_id, round_=round_, attempt=attempt), emit, launch_id=launch_id
         )
-    if outcome.stopped_from_outside:
-        emit(LaunchFinished("stopped", elapsed))
-        raise LaunchStoppedError("the launch was stopped from the JupyterLab sidebar; every rank was stopped.")
-    emit(LaunchFinished("ok", elapsed))
-    return [outcome.results[rank].value() for rank in ranks_here]
+        cleanup.callback(group.close)
+        group.start(payload)
+        record = _register(launch_id, plan, [r.pid for r in group.ranks if r.pid is not None])
+        cleanup.callback(record.close)
+        return group.run(deadline=deadline, stop_requested=record.stop_requested)
+    raise AssertionError("unreachable")  # for type checkers: the with block returns
 
 
-def _rank_failed_error(outcome: Outcome) -> RankFailedError:
-    failures = sorted(outcome.failures, key=lambda f: f.time)
-    root = failures[0]
-    lines = [f"{root.summary()}; the other ranks were stopped."]
-    for later in failures[1:]:
-        lines.append(f"Afterwards, {later.summary()[0].lower()}{later.summary()[1:]}.")
-    if root.traceback:
-        lines += ["", f"Traceback from rank {root.rank}:", root.traceback.rstrip()]
-    elif root.output_tail:
-        lines += ["", f"Last output of rank {root.rank}:", root.output_tail]
-    remote = outcome.remote_exceptions.get(root.rank)
-    error = rank_failed_error_class(type(remote) if remote is not None else None)(
-        "\n".join(lines), failures
-    )
-    if remote is not None:
-        error.__cause__ = remote
-    return error
+class _FinishedOnError:
+    """An exit callback: the launch ended by an exception (interrupt, an observer's bug)."""
+
+    def __init__(self, emit: Emitter, started: float) -> None:
+        self._emit, self._started = emit, started
+
+    def __call__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        if kind is not None:
+            outcome = "interrupted" if issubclass(kind, KeyboardInterrupt) else "error"
+            self._emit.safely(LaunchFinished(outcome, time.monotonic() - self._started))
+        return False
 
 
-def _rank_specs(
-    plan: LaunchPlan, launch_id: str, round_: Round, attempt: int, fork: bool
+def rank_specs(
+    plan: LaunchPlan, launch_id: str, port: int | None = None, *, round_: Round | None = None,
+    attempt: int = 0,
 ) -> list[RankSpec]:
+    """What each local rank of ``plan`` needs besides the function (its environment...).
+
+    ``round_`` says where this attempt's ranks meet and this machine's group rank; without
+    it (one machine), they meet at ``plan.master_addr:port``.
+    """
+    if round_ is None:
+        round_ = Round(plan.node_rank, plan.num_nodes, plan.master_addr, port or 0, None)
+    fork = plan.start.method == "fork"
     torch = sys.modules.get("torch")
     # A fork already carries the kernel's RNG state; fresh interpreters are handed it.
     # As bytes: a tensor sent through multiprocessing would be moved to shared memory.
@@ -187,7 +154,7 @@ def _rank_specs(
     elastic_vars = {
         "TORCHELASTIC_RESTART_COUNT": str(attempt),
         "TORCHELASTIC_MAX_RESTARTS": str(plan.max_restarts),
-        "TORCHELASTIC_RUN_ID": plan.rendezvous.run_id if plan.rendezvous else launch_id,
+        "TORCHELASTIC_RUN_ID": plan.rdzv_id if round_.num_nodes > 1 else launch_id,
         "GROUP_WORLD_SIZE": str(round_.num_nodes),
     }
     specs = []
@@ -202,24 +169,19 @@ def _rank_specs(
             environ=environ,
         )
         rank_environ.update(elastic_vars)
-        specs.append(
-            RankSpec(
-                rank=rank,
-                local_rank=local_rank,
-                environ=rank_environ,
-                cwd=os.getcwd(),
-                sys_path=list(sys.path),
-                accelerator=plan.accelerator,
-                threads=plan.threads_per_rank if "OMP_NUM_THREADS" not in environ else None,
-                python_random_state=python_rng,
-                torch_rng_state=torch_rng,
-            )
-        )
+        specs.append(RankSpec(
+            rank=rank,
+            local_rank=local_rank,
+            environ=rank_environ,
+            cwd=os.getcwd(),
+            sys_path=list(sys.path),
+            accelerator=plan.accelerator,
+            threads=plan.threads_per_rank if "OMP_NUM_THREADS" not in environ else None,
+            python_random_state=python_rng,
+            torch_rng_state=torch_rng,
+            keep_result_devices=plan.keep_result_devices,
+        ))
     return specs
-
-
-def _device(plan: LaunchPlan, local_rank: int) -> str:
-    return f"cuda:{local_rank}" if plan.accelerator == "cuda" else plan.accelerator
 
 
 def _register(launch_id: str, plan: LaunchPlan, rank_pids: list[int]) -> registry.RegisteredLaunch:
@@ -231,4 +193,3 @@ def _register(launch_id: str, plan: LaunchPlan, rank_pids: list[int]) -> registr
             state="running", started_at=time.time(), rank_pids=rank_pids,
         )
     )
-

@@ -1,28 +1,64 @@
-"""Choosing how ranks are started: a pure function of the kernel's state."""
+"""Choosing how ranks are started: a pure function of the kernel's state.
+
+Which methods a platform has is a rule of :mod:`notebook_launcher.rules`; what in this
+kernel makes fork unsafe is read once per launch into a :class:`KernelState`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import multiprocessing
 import sys
+from typing import Callable
 
+from notebook_launcher import rank_env, rules
 from notebook_launcher.errors import LaunchConfigError
 
-START_METHODS = ("auto", "fork", "forkserver", "spawn")
+START_METHODS = rules.START_METHODS
+
+# The CUDA driver library: once a process has it mapped, some library may have called
+# cuInit, and a forked child then fails with "Cannot re-initialize CUDA".
+_CUDA_DRIVER_NAMES = ("/libcuda.so", "/libcuda.dylib", "/nvcuda.dll")
+
+
+def _read_own_maps() -> str:
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            return maps.read()
+    except OSError:  # not Linux: the platform rule already refuses fork there
+        return ""
+
+
+def cuda_driver_loaded(read_maps: Callable[[], str] = _read_own_maps) -> bool:
+    """Whether the CUDA driver is mapped into this process, by torch or any other library
+    (cupy, numba, jax, bitsandbytes...). Tests pass a fake ``read_maps``."""
+    text = read_maps()
+    return any(name in text for name in _CUDA_DRIVER_NAMES)
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelState:
     """What in the calling process decides which start methods are safe."""
 
-    fork_available: bool  # fork exists and is safe on this platform (Linux)
-    forkserver_available: bool
-    cuda_initialized: bool  # a CUDA context exists: forked children cannot use CUDA
-    process_group_initialized: bool  # torch.distributed is initialised here: forks inherit it
+    fork_available: bool = True  # the platform has fork and it is safe there
+    forkserver_available: bool = True
+    cuda_initialized: bool = False  # torch created a CUDA context here
+    process_group_initialized: bool = False  # torch.distributed is initialised here: forks inherit it
+    cuda_driver_loaded: bool = False  # some library (not necessarily torch) loaded the CUDA driver
+    inside_rank: bool = False  # this process is itself a rank of a launch
+    platform: str = "linux"
 
     @classmethod
-    def detect(cls) -> KernelState:
-        methods = multiprocessing.get_all_start_methods()
+    def detect(
+        cls,
+        platform: str | None = None,
+        available: list[str] | None = None,
+        read_maps: Callable[[], str] = _read_own_maps,
+    ) -> KernelState:
+        platform = sys.platform if platform is None else platform
+        support = rules.start_method_support(
+            platform, multiprocessing.get_all_start_methods() if available is None else available
+        )
         torch = sys.modules.get("torch")
         cuda_initialized = bool(torch is not None and torch.cuda.is_initialized())
         dist = sys.modules.get("torch.distributed")
@@ -30,11 +66,13 @@ class KernelState:
             dist is not None and dist.is_available() and dist.is_initialized()
         )
         return cls(
-            # macOS lists fork, but forking after system frameworks are loaded crashes.
-            fork_available="fork" in methods and sys.platform.startswith("linux"),
-            forkserver_available="forkserver" in methods,
+            fork_available=support["fork"] is None,
+            forkserver_available=support["forkserver"] is None,
             cuda_initialized=cuda_initialized,
             process_group_initialized=group_initialized,
+            cuda_driver_loaded=cuda_driver_loaded(read_maps),
+            inside_rank=rank_env.inside_rank(),
+            platform=platform,
         )
 
 
@@ -47,9 +85,14 @@ class StartMethodChoice:
 def fork_blocker(state: KernelState) -> str | None:
     """Why forking this kernel would give broken ranks, or None when it is safe."""
     if not state.fork_available:
-        return f"fork is not safe on this platform ({sys.platform})"
+        return f"fork is not safe on this platform ({state.platform})"
     if state.cuda_initialized:
         return "CUDA was initialised in this kernel, and forked ranks cannot use it"
+    if state.cuda_driver_loaded:
+        return (
+            "a library loaded the CUDA driver in this kernel (libcuda: cupy, numba, jax, "
+            "bitsandbytes or torch itself), and forked ranks could not use CUDA"
+        )
     if state.process_group_initialized:
         return (
             "a torch.distributed process group is initialised in this kernel "
@@ -59,26 +102,27 @@ def fork_blocker(state: KernelState) -> str | None:
 
 
 def choose_start_method(requested: str, state: KernelState) -> StartMethodChoice:
-    if requested not in START_METHODS:
+    requested_name = rules.canonical(requested)
+    if requested_name not in START_METHODS:
         raise LaunchConfigError(
             f"start_method={requested!r} is not a start method; use one of "
             + ", ".join(repr(m) for m in START_METHODS)
             + " ('auto' picks the fastest safe one)."
         )
     blocker = fork_blocker(state)
-    if requested == "auto":
+    if requested_name == "auto":
         if blocker is None:
             return StartMethodChoice("fork")
         method = "forkserver" if state.forkserver_available else "spawn"
         return StartMethodChoice(method, fallback_reason=blocker)
-    if requested == "fork" and blocker is not None:
+    if requested_name == "fork" and blocker is not None:
         raise LaunchConfigError(
             f"start_method='fork' cannot be used: {blocker}. Use start_method='auto' or "
             "'forkserver', which start clean ranks; no kernel restart is needed."
         )
-    if requested == "forkserver" and not state.forkserver_available:
+    if requested_name == "forkserver" and not state.forkserver_available:
         raise LaunchConfigError(
-            f"start_method='forkserver' is not available on this platform ({sys.platform}); "
+            f"start_method='forkserver' is not available on this platform ({state.platform}); "
             "use start_method='auto' or 'spawn'."
         )
-    return StartMethodChoice(requested)
+    return StartMethodChoice(str(requested_name))

@@ -1,0 +1,123 @@
+"""The small interface every way of starting ranks implements.
+
+A backend turns a plan and one set of pipes per rank into running ranks, and gives the
+kernel a :class:`RankControl` per rank to watch and stop it. Everything else (reading
+output, messages, deadlines, stop requests, teardown, reporting) is the rank group's,
+the same for every backend. The pipes are made by the rank group; the backend only
+hands their rank-side ends (:class:`RankEnds`) to whatever runs the rank:
+
+- local processes (fork / forkserver / spawn): one multiprocessing process per rank;
+- TPU through torch_xla: one supervisor process forks every rank itself, so a rank has
+  no process of its own in the kernel, its pid is known once it reports it
+  (:meth:`RankControl.pid_reported`) and its end is learned by :meth:`RankControl.poll`
+  (``sentinel`` None);
+- several machines: local ranks whose global rank is ``plan.global_rank(local_rank)``;
+- Ray actors: the rank runs elsewhere; a thread of the backend feeds what it writes into
+  the ends it was given (duplicated, since the group closes its copies after ``start``);
+- persistent sessions: :attr:`RankEnds.commands` carries commands to a long-lived rank.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+if TYPE_CHECKING:
+    from notebook_launcher.launcher.plan import LaunchPlan
+    from notebook_launcher.launcher.rank import RankSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Ended:
+    """How a rank's process ended."""
+
+    exitcode: int | None  # negative: killed by that signal; None: the backend cannot know
+
+
+@dataclasses.dataclass
+class RankEnds:
+    """The rank's ends of the pipes the kernel reads (and, for sessions, writes)."""
+
+    stdout: Connection  # write end; becomes the rank's fd 1
+    stderr: Connection  # write end; becomes the rank's fd 2
+    channel: Connection  # write end of the rank -> kernel messages
+    commands: Connection | None = None  # read end of kernel -> rank commands (sessions)
+
+    def close(self) -> None:
+        for end in (self.stdout, self.stderr, self.channel, self.commands):
+            if end is not None and not end.closed:
+                end.close()
+
+
+# What runs inside each rank: run_rank for a launch, a command loop for a session. It must
+# be importable by reference (a module-level function) for the spawn and forkserver starts.
+RankTarget = Callable[["RankSpec", Any, RankEnds], None]
+
+
+class RankControl(abc.ABC):
+    """How the kernel watches and stops one rank, whatever runs it."""
+
+    pid: int | None = None  # None until known (ranks forked by a supervisor report theirs)
+
+    @property
+    def sentinel(self) -> int | None:
+        """A descriptor that becomes readable when the rank ended; None: the group polls."""
+        return None
+
+    @abc.abstractmethod
+    def poll(self) -> Ended | None:
+        """How the rank ended, or None while it runs; never blocks."""
+
+    @abc.abstractmethod
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to the rank and to what it started; a no-op once it is gone."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float) -> Ended | None:
+        """Wait at most ``timeout`` seconds for the rank's end."""
+
+    def pid_reported(self, pid: int) -> None:
+        """The rank told its pid (the first message every rank sends)."""
+        if self.pid is None:
+            self.pid = pid
+
+    def release(self) -> None:
+        """Free what watching the rank needed, once it ended (or was given up on)."""
+        return None
+
+
+class Backend(abc.ABC):
+    """One way of starting ranks; a module under ``launcher/backends`` registers one."""
+
+    name: ClassVar[str]
+    accelerators: ClassVar[tuple[str, ...]]  # the devices its ranks can run on
+
+    def check(self, plan: LaunchPlan) -> None:
+        """Refuse (LaunchUnsupportedError) a plan this backend cannot carry out."""
+        return None
+
+    def prepare_payload(self, plan: LaunchPlan, payload: tuple[Any, ...]) -> Any:
+        """The payload as it travels to the ranks (by value where a fresh interpreter starts)."""
+        return payload
+
+    @abc.abstractmethod
+    def start(
+        self,
+        plan: LaunchPlan,
+        specs: Sequence[RankSpec],
+        ends: Sequence[RankEnds],
+        payload: Any,
+        target: RankTarget,
+    ) -> list[RankControl]:
+        """Start one rank per spec, running ``target(spec, payload, ends)``.
+
+        Returns their controls in the same order. If it raises, it must first stop what it
+        started; the rank group closes its own copies of ``ends`` after this returns.
+        """
+
+    def close(self) -> None:
+        """Free what the backend holds beyond its ranks (a supervisor process, actors)."""
+        return None

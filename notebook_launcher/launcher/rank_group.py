@@ -1,0 +1,484 @@
+"""The kernel's side of a group of ranks: start them, run until an outcome, close.
+
+In the manner of torch elastic's PContext: the group owns the template (start, run until
+every rank ended or an outcome is reached, time-limited close) and a backend only starts
+ranks and gives a control for each. Each rank's lifecycle is one explicit state owned by
+:class:`Rank`; the select loop only multiplexes output pipes, message channels and exit
+sentinels, from the calling thread (no helper threads, so whatever observers print lands
+in the calling cell). A session drives the same group repeatedly with ``run(until=...)``
+and ``watch()`` between its commands.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import enum
+import multiprocessing
+import os
+import selectors
+import signal
+import time
+import warnings
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+import cloudpickle
+
+from notebook_launcher.errors import LaunchCleanupWarning, RankFailure
+from notebook_launcher.launcher import descendants
+from notebook_launcher.launcher.backends.base import (
+    Backend,
+    Ended,
+    RankControl,
+    RankEnds,
+    RankTarget,
+)
+from notebook_launcher.launcher.channel import Failure, Hello, Metric, Progress, Result
+from notebook_launcher.launcher.events import (
+    LaunchEvent,
+    OutputLine,
+    RankFinished,
+    RankMetric,
+    RankProgress,
+    RankStarted,
+)
+from notebook_launcher.launcher.lines import LineSplitter
+from notebook_launcher.launcher.plan import LaunchPlan
+from notebook_launcher.launcher.rank import RankSpec, run_rank
+
+_READ_CHUNK = 1 << 16
+_TAIL_LINES = 200  # enough to hold a crash report of a deep stack
+STOP_GRACE_S = 3.0  # SIGTERM -> SIGKILL
+KILL_WAIT_S = 5.0  # SIGKILL -> "this rank would not die"
+# After a rank exits, what it started may still hold its pipes open this long.
+DRAIN_GRACE_S = 1.0
+_REAP_WAIT_S = 1.0
+
+
+class RankState(str, enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"  # the group asked it to end; its end is not a failure
+    EXITED = "exited"
+
+
+class Rank:
+    """One rank as the kernel sees it: its state, its pipes, and what it reported."""
+
+    def __init__(self, spec: RankSpec, with_commands: bool) -> None:
+        self.spec = spec
+        self.rank = spec.rank
+        self.state = RankState.STARTING
+        self.control: RankControl | None = None
+        self.streams: dict[int, str] = {}  # read fd -> "stdout" / "stderr"
+        self.splitters = {"stdout": LineSplitter(), "stderr": LineSplitter()}
+        self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self.messages: list[Any] = []  # Result / Failure, judged when it ends
+        self.ended: Ended | None = None
+        self.ended_at: float | None = None  # time.time() of its end
+        self.finished_sent = False
+        self.stop_sent = False
+        self.polled = False  # its end is found by polling its control, not by a sentinel
+        self.channel: Connection
+        self.commands: Connection | None = None
+        self.ends: RankEnds
+        opened: list[int] = []
+        try:
+            for name in ("stdout", "stderr"):
+                read_end, write_end = os.pipe()
+                opened += [read_end, write_end]
+                os.set_blocking(read_end, False)
+                self.streams[read_end] = name
+                setattr(self, f"_{name}_w", Connection(write_end, readable=False))
+            self.channel, channel_w = multiprocessing.Pipe(duplex=False)
+            commands_r = None
+            if with_commands:
+                commands_r, self.commands = multiprocessing.Pipe(duplex=False)
+        except BaseException:
+            for fd in opened:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            raise
+        self.ends = RankEnds(self._stdout_w, self._stderr_w, channel_w, commands_r)  # type: ignore[attr-defined]
+
+    @property
+    def pid(self) -> int | None:
+        return self.control.pid if self.control is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.state in (RankState.RUNNING, RankState.STOPPING)
+
+    def started(self, control: RankControl) -> None:
+        self.control = control
+        self.state = RankState.RUNNING
+        self.ends.close()  # the rank holds its own copies now
+
+    def request_stop(self, signum: int) -> None:
+        if self.alive and self.control is not None:
+            self.stop_sent = True
+            self.state = RankState.STOPPING
+            self.control.signal(signum)
+
+    def mark_ended(self, ended: Ended) -> None:
+        self.ended = ended
+        self.ended_at = time.time()
+        self.state = RankState.EXITED
+
+    def close_stream(self, fd: int) -> None:
+        if self.streams.pop(fd, None) is not None:
+            os.close(fd)
+
+    def release(self) -> None:
+        """Free every descriptor the kernel holds for this rank (idempotent)."""
+        self.ends.close()
+        for fd in list(self.streams):
+            self.close_stream(fd)
+        for connection in (self.channel, self.commands):
+            if connection is not None and not connection.closed:
+                connection.close()
+        if self.control is not None and self.ended is not None:
+            self.control.release()
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What a run of the group came to; failures are data, the root cause decided later."""
+
+    results: dict[int, Result] = dataclasses.field(default_factory=dict)
+    failures: list[RankFailure] = dataclasses.field(default_factory=list)
+    remote_exceptions: dict[int, BaseException] = dataclasses.field(default_factory=dict)
+    finished_at: dict[int, float] = dataclasses.field(default_factory=dict)  # rank -> time.time()
+    timed_out_ranks: list[int] = dataclasses.field(default_factory=list)
+    stopped_from_outside: bool = False
+
+
+MessageHandler = Callable[[Rank, Any], None]
+
+
+class RankGroup:
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        backend: Backend,
+        specs: Sequence[RankSpec],
+        emit: Callable[[LaunchEvent], None],
+        *,
+        launch_id: str,
+        with_commands: bool = False,
+        stop_on_failure: bool = True,
+        grace_s: float = STOP_GRACE_S,
+        kill_wait_s: float = KILL_WAIT_S,
+    ) -> None:
+        self.plan = plan
+        self.backend = backend
+        self.launch_id = launch_id
+        self._specs = list(specs)
+        self._emit = emit
+        self._with_commands = with_commands
+        self._stop_on_failure = stop_on_failure
+        self._grace_s = grace_s
+        self._kill_wait_s = kill_wait_s
+        self.ranks: list[Rank] = []
+        self.outcome = Outcome()
+        self._selector: selectors.BaseSelector | None = None
+        self._deadline: float | None = None
+        self._stop_requested: Callable[[], bool] = lambda: False
+        self._on_message: MessageHandler | None = None
+        self._kill_at: float | None = None
+        self._closed = False
+        self._term_deadline: float | None = None
+        self._kill_deadline: float | None = None
+
+    # start ----------------------------------------------------------------------------
+
+    def start(self, payload: Any, target: RankTarget = run_rank) -> None:
+        """Start every rank; on failure nothing started is left running (close() still frees)."""
+        self._selector = selectors.DefaultSelector()
+        for spec in self._specs:
+            self.ranks.append(Rank(spec, self._with_commands))
+        controls = self.backend.start(
+            self.plan, self._specs, [r.ends for r in self.ranks], payload, target
+        )
+        for rank, control in zip(self.ranks, controls):
+            rank.started(control)
+            for fd in rank.streams:
+                self._selector.register(fd, selectors.EVENT_READ, (rank, "stream"))
+            self._selector.register(rank.channel.fileno(), selectors.EVENT_READ, (rank, "channel"))
+            if control.sentinel is not None:
+                self._selector.register(control.sentinel, selectors.EVENT_READ, (rank, "exit"))
+            else:
+                rank.polled = True
+        for rank in self.ranks:
+            self._emit(RankStarted(rank.rank, rank.pid, self.plan.device(rank.spec.local_rank)))
+
+    # run ------------------------------------------------------------------------------
+
+    def run(
+        self,
+        *,
+        deadline: float | None = None,
+        stop_requested: Callable[[], bool] = lambda: False,
+        until: Callable[[], bool] | None = None,
+        on_message: MessageHandler | None = None,
+    ) -> Outcome:
+        """Multiplex until every rank ended (and its output was read), or ``until()`` holds.
+
+        ``deadline`` (time.monotonic()) ends a run that takes longer, stopping every rank;
+        ``stop_requested`` is polled each ``plan.monitor_interval``. The first failure stops
+        the other ranks (with ``stop_on_failure``). Messages of kinds the group does not
+        know go to ``on_message``.
+        """
+        self._deadline, self._stop_requested, self._on_message = deadline, stop_requested, on_message
+        while (until is None or not until()) and self._busy():
+            self.watch(self._next_timeout())
+        return self.outcome
+
+    def watch(self, timeout: float = 0.0) -> None:
+        """One pass of the multiplexer: read what is there, notice ends, apply limits."""
+        assert self._selector is not None, "start() first"
+        for key, _ in self._selector.select(timeout):
+            rank, kind = key.data
+            # A key may be stale: handling an exit earlier in this batch drains it.
+            if kind == "stream":
+                if key.fd in rank.streams:
+                    self._read_stream(rank, key.fd)
+            elif kind == "channel":
+                if not rank.channel.closed:
+                    self._read_channel(rank)
+            elif rank.alive and rank.control is not None:
+                self._unregister(rank.control.sentinel)
+                rank.polled = True
+                # The sentinel closes as the process exits, a moment before it can be reaped.
+                ended = rank.control.wait(_REAP_WAIT_S)
+                if ended is not None:
+                    self._on_end(rank, ended)
+        for rank in self.ranks:  # ranks without a sentinel (or whose sentinel closed early)
+            if rank.alive and rank.control is not None and rank.polled:
+                ended = rank.control.poll()
+                if ended is not None:
+                    self._on_end(rank, ended)
+        self._check_limits()
+
+    def send(self, rank: int, message: Any) -> None:
+        """Send a command to one rank (a group started ``with_commands``)."""
+        connection = self.ranks[rank].commands
+        if connection is None:
+            raise RuntimeError("this rank group was started without command connections")
+        connection.send(message)
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Ask every running rank to end; SIGKILL follows after the grace period."""
+        for rank in self.ranks:
+            rank.request_stop(signum)
+        if self._kill_at is None:
+            self._kill_at = time.monotonic() + self._grace_s
+
+    def _busy(self) -> bool:
+        if any(rank.alive for rank in self.ranks):
+            return True
+        assert self._selector is not None
+        last_end = max((r.ended_at or 0.0) for r in self.ranks) if self.ranks else 0.0
+        if self._selector.get_map() and time.time() - last_end < DRAIN_GRACE_S:
+            return True
+        for rank in self.ranks:  # whatever still holds a pipe is stopped; take what it wrote
+            if rank.control is not None:
+                rank.control.signal(signal.SIGKILL)
+            for fd in list(rank.streams):
+                self._read_stream(rank, fd, until_eof=True)
+        return False
+
+    def _next_timeout(self) -> float:
+        timeout = self.plan.monitor_interval
+        now = time.monotonic()
+        for moment in (self._deadline, self._kill_at):
+            if moment is not None:
+                timeout = min(timeout, max(0.0, moment - now))
+        return timeout
+
+    def _unregister(self, fd: int | None) -> None:
+        if fd is not None and self._selector is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(fd)
+
+    def _read_stream(self, rank: Rank, fd: int, until_eof: bool = False) -> None:
+        stream = rank.streams[fd]
+        while True:
+            try:
+                data = os.read(fd, _READ_CHUNK)
+            except BlockingIOError:
+                if not until_eof:
+                    return
+                data = b""  # the writer is gone or stopped: what was there is read
+            if not data:
+                pieces = rank.splitters[stream].close()
+                self._unregister(fd)
+                rank.close_stream(fd)
+            else:
+                pieces = rank.splitters[stream].feed(data)
+            for text, is_progress in pieces:
+                if not is_progress:
+                    rank.tail.append(text)
+                self._emit(OutputLine(rank.rank, stream, text, is_progress))
+            if not data or len(data) < _READ_CHUNK:
+                return
+
+    def _read_channel(self, rank: Rank) -> None:
+        try:
+            message = rank.channel.recv()
+        except (EOFError, OSError):
+            self._unregister(rank.channel.fileno())
+            rank.channel.close()
+            return
+        if isinstance(message, Hello):
+            if rank.control is not None:
+                rank.control.pid_reported(message.pid)
+        elif isinstance(message, (Result, Failure)):
+            rank.messages.append(message)
+        elif isinstance(message, Progress):
+            self._emit(RankProgress(rank.rank, message.n, message.total, message.description))
+        elif isinstance(message, Metric):
+            self._emit(RankMetric(rank.rank, message.values, message.step))
+        elif self._on_message is not None:
+            self._on_message(rank, message)
+
+    def _on_end(self, rank: Rank, ended: Ended) -> None:
+        rank.mark_ended(ended)
+        # The rank wrote its last message before exiting: take it before judging the exit.
+        while not rank.channel.closed and rank.channel.poll():
+            self._read_channel(rank)
+        failure = self._judge(rank)
+        if failure is not None:
+            self.outcome.failures.append(failure)
+            if self._stop_on_failure and self._kill_at is None:
+                self.stop()
+        self._finished(rank, failure)
+
+    def _finished(self, rank: Rank, failure: RankFailure | None) -> None:
+        if rank.finished_sent:
+            return
+        rank.finished_sent = True
+        self.outcome.finished_at[rank.rank] = rank.ended_at or time.time()
+        exitcode = rank.ended.exitcode if rank.ended is not None else None
+        state = "failed" if failure is not None else "done" if rank.rank in self.outcome.results else "stopped"
+        self._emit(RankFinished(rank.rank, exitcode, failure, state))
+
+    def _judge(self, rank: Rank) -> RankFailure | None:
+        exitcode = rank.ended.exitcode if rank.ended is not None else None
+        for message in rank.messages:
+            if isinstance(message, Failure):
+                self._keep_remote_exception(rank.rank, message.exception)
+                return RankFailure(
+                    rank.rank, rank.pid, exitcode, message.exception_type, message.message,
+                    message.traceback, time=message.time,
+                )
+            if isinstance(message, Result) and exitcode in (0, None):
+                self.outcome.results[rank.rank] = message
+                return None
+        if rank.stop_sent:
+            return None  # ended because the group stopped it
+        return RankFailure(
+            rank.rank, rank.pid, exitcode, output_tail=crash_excerpt(list(rank.tail)), time=time.time()
+        )
+
+    def _keep_remote_exception(self, rank: int, pickled: bytes | None) -> None:
+        if pickled is None:
+            return
+        with contextlib.suppress(Exception):  # its class may not exist in the kernel
+            self.outcome.remote_exceptions[rank] = cloudpickle.loads(pickled)
+
+    def _check_limits(self) -> None:
+        now = time.monotonic()
+        if self._kill_at is not None:
+            if now >= self._kill_at:
+                for rank in self.ranks:
+                    rank.request_stop(signal.SIGKILL)
+            return
+        if self._deadline is not None and now >= self._deadline:
+            self.outcome.timed_out_ranks = [r.rank for r in self.ranks if r.alive]
+            self.stop()
+        elif self._stop_requested():
+            self.outcome.stopped_from_outside = True
+            self.stop()
+
+    # close ----------------------------------------------------------------------------
+
+    def close(self) -> list[Rank]:
+        """End every rank and free everything, each step time-limited; idempotent.
+
+        SIGTERM, wait (one shared grace period), SIGKILL, wait at most ``kill_wait_s``,
+        then end what the ranks started, even what left their process groups. A rank
+        that still would not die (stuck in the OS kernel) is reported with a
+        LaunchCleanupWarning and returned, never waited for. An interrupt while closing
+        skips the grace period but not the cleanup, then is raised again.
+        """
+        interrupt: KeyboardInterrupt | None = None
+        while True:
+            try:
+                self._teardown(hurry=interrupt is not None)
+                break
+            except KeyboardInterrupt as again:
+                interrupt = again
+        if interrupt is not None:
+            raise interrupt
+        return [r for r in self.ranks if r.control is not None and r.ended is None]
+
+    def _teardown(self, hurry: bool) -> None:
+        if self._closed:
+            return
+        if not hurry:
+            if self._term_deadline is None:
+                self._term_deadline = time.monotonic() + self._grace_s
+                for rank in self.ranks:
+                    rank.request_stop(signal.SIGTERM)
+            self._wait_all(self._term_deadline)
+        if self._kill_deadline is None:
+            self._kill_deadline = time.monotonic() + self._kill_wait_s
+        for rank in self.ranks:
+            if rank.ended is None:
+                rank.request_stop(signal.SIGKILL)
+        self._wait_all(self._kill_deadline)
+        for rank in self.ranks:  # what the ranks started, left in their process groups
+            if rank.control is not None:
+                rank.control.signal(signal.SIGKILL)
+        descendants.end_marked_processes(self.launch_id)  # and what left them
+        for rank in self.ranks:
+            if rank.ended is not None and not rank.finished_sent:
+                with contextlib.suppress(Exception):  # an observer's bug must not stop cleanup
+                    self._finished(rank, None)
+            rank.release()
+        if self._selector is not None:
+            self._selector.close()
+        self.backend.close()
+        self._closed = True
+        stuck = [r for r in self.ranks if r.control is not None and r.ended is None]
+        if stuck:
+            names = ", ".join(f"rank {r.rank} (pid {r.pid})" for r in stuck)
+            warnings.warn(
+                f"{names} did not end within {self._kill_wait_s:g}s of SIGKILL, probably stuck "
+                "in the operating system (a hung device driver or network file system); it "
+                "was left running. Check it with `ps -o pid,stat,wchan -p PID`; if it stays, "
+                "only a restart of the machine ends it.",
+                LaunchCleanupWarning,
+                stacklevel=4,
+            )
+
+    def _wait_all(self, deadline: float) -> None:
+        for rank in self.ranks:
+            if rank.control is None or rank.ended is not None:
+                continue
+            ended = rank.control.wait(max(0.0, deadline - time.monotonic()))
+            if ended is not None:
+                rank.mark_ended(ended)
+
+
+def crash_excerpt(lines: list[str], keep: int = 20) -> str:
+    """The part of a crashed rank's last output worth showing: faulthandler's report
+    (innermost frames first) when there is one, else the last lines."""
+    for index, line in enumerate(lines):
+        if line.startswith("Fatal Python error"):
+            return "\n".join(lines[index : index + keep])
+    return "\n".join(lines[-keep:])

@@ -1,0 +1,95 @@
+"""Turning a rank group's outcome into the launch's return value or its exception.
+
+The one place that words a launch's end: every path (failure, timeout, stop from the
+sidebar, success) sends its ``LaunchFinished`` here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from notebook_launcher.errors import (
+    LaunchStoppedError,
+    LaunchTimeoutError,
+    RankFailedError,
+    RankFailure,
+    rank_failed_error_class,
+)
+from notebook_launcher.launcher.events import LaunchEvent, LaunchFinished
+from notebook_launcher.launcher.plan import LaunchPlan
+from notebook_launcher.launcher.rank_group import Outcome
+
+
+def finish(
+    outcome: Outcome, plan: LaunchPlan, emit: Callable[[LaunchEvent], None], elapsed: float
+) -> list[Any]:
+    """The values of every rank (indexed by rank), or the exception that says why not."""
+    if outcome.failures:
+        emit(LaunchFinished("failed", elapsed))
+        raise rank_failed_error(outcome)
+    if outcome.timed_out_ranks:
+        emit(LaunchFinished("timeout", elapsed))
+        ranks = ", ".join(str(r) for r in outcome.timed_out_ranks)
+        raise LaunchTimeoutError(
+            f"the launch ran past timeout={plan.timeout:g}s; rank(s) {ranks} were still running "
+            "and have been stopped. Raise timeout= if the work needs longer, or look at where "
+            "those ranks wait (a collective that other ranks never reach hangs)."
+        )
+    if outcome.stopped_from_outside:
+        emit(LaunchFinished("stopped", elapsed))
+        raise LaunchStoppedError("the launch was stopped from the JupyterLab sidebar; every rank was stopped.")
+    emit(LaunchFinished("ok", elapsed))
+    return [outcome.results[rank].value() for rank in sorted(outcome.results)]
+
+
+def rank_failed_error(outcome: Outcome) -> RankFailedError:
+    failures = sorted(outcome.failures, key=lambda f: f.time)
+    root = failures[0]
+    lines = [f"{_sentence(root.summary())} The other ranks were stopped."]
+    early = _left_early(outcome, root)
+    if early:
+        lines.append(early)
+    for later in failures[1:]:
+        summary = later.summary()
+        lines.append(f"Afterwards, {summary[0].lower()}{summary[1:]}.")
+    if root.traceback:
+        lines += ["", f"Traceback from rank {root.rank}:", root.traceback.rstrip()]
+    elif root.output_tail:
+        lines += ["", f"Last output of rank {root.rank}:", root.output_tail]
+    remote = outcome.remote_exceptions.get(root.rank)
+    error = rank_failed_error_class(type(remote) if remote is not None else None)(
+        "\n".join(lines), failures
+    )
+    if remote is not None:
+        error.__cause__ = remote
+    return error
+
+
+def _left_early(outcome: Outcome, root: RankFailure) -> str | None:
+    """Ranks that had already ended normally when the first one failed: often the cause
+    of the failure (a peer waiting in a collective sees its connection close)."""
+    gone = [
+        rank for rank, result in sorted(outcome.results.items())
+        if outcome.finished_at.get(rank, root.time) <= root.time
+    ]
+    if not gone:
+        return None
+    how = []
+    for rank in gone:
+        code = outcome.results[rank].exit_code
+        how.append(f"rank {rank} (sys.exit({code!r}))" if code is not None else f"rank {rank} (returned)")
+    ranks = ", ".join(how)
+    return (
+        f"Before that, {ranks} had already exited early, while rank {root.rank} still needed it: "
+        "a rank that leaves while the others wait in a collective (all_reduce, barrier) makes "
+        "them fail with a closed connection. Make every rank run the same collectives before "
+        "returning."
+    )
+
+
+def _sentence(text: str) -> str:
+    """End ``text`` with one full stop, whatever it ended with (a message may end in '.')."""
+    text = text.rstrip()
+    while text.endswith((".", ";", ",", ":")):
+        text = text[:-1].rstrip()
+    return f"{text}."
