@@ -94,6 +94,22 @@ def check_scale_out(
     }
 
 
+def check_ray_address(address: Any, backend: str) -> str | None:
+    if address is None:
+        return None
+    if not isinstance(address, str) or not address.strip():
+        raise LaunchTypeError(
+            f"ray_address must be the address of a Ray cluster such as 'ray://10.0.0.1:10001' "
+            f"or 'auto'; got {address!r}."
+        )
+    if backend != "ray":
+        raise LaunchConfigError(
+            f"ray_address={address!r} is only used with backend='ray'; pass backend='ray' to "
+            "run the ranks on that cluster, or leave ray_address unset."
+        )
+    return address.strip()
+
+
 def _whole_number(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise LaunchTypeError(f"{name} must be a whole number; got {type(value).__name__} {value!r}.")

@@ -52,6 +52,7 @@ class LaunchCall:
     output: Any = "all"
     backend: Any = "auto"
     keep_result_devices: Any = False
+    ray_address: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +80,7 @@ class LaunchPlan:
     rdzv_id: str = "none"
     rdzv_conf: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _NO_CONF)
     max_restarts: int = 0
+    ray_address: str | None = None  # backend="ray": the cluster to join (None: RAY_ADDRESS or a local one)
 
     @property
     def world_size(self) -> int:
@@ -147,6 +149,7 @@ def resolve_plan(
         prefix_template=options.check_prefix_template(call.log_line_prefix_template),
         return_all=options.check_flag("return_all", call.return_all),
         keep_result_devices=options.check_flag("keep_result_devices", call.keep_result_devices),
+        ray_address=options.check_ray_address(call.ray_address, backend),
         **scale_out,
     )
 

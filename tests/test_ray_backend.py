@@ -1,0 +1,198 @@
+"""backend="ray": ranks as Ray actors on a local cluster, kept on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import shutil
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from notebook_launcher import LaunchConfigError, RankFailedError, notebook_launcher  # noqa: E402
+from notebook_launcher.errors import LaunchUnsupportedError  # noqa: E402
+from notebook_launcher.launcher.events import OutputLine  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo"}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ray_processes() -> list[psutil.Process]:
+    """Ray's own processes (raylet, GCS, workers) started under this test process."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if any("ray" in part for part in child.cmdline()[:3]):
+                found.append(child)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One local cluster for the module (2 CPUs, loopback); the launcher joins it."""
+    saved = {name: os.environ.get(name) for name in RAY_ENV}
+    os.environ.update(RAY_ENV)
+    temp_dir = tempfile.mkdtemp(prefix="nlray")  # Ray's socket paths must stay under 107 bytes
+    ray.init(
+        num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+        _temp_dir=temp_dir,
+    )
+    yield ray
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    deadline = time.monotonic() + 30
+    while ray_processes() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray_processes() == []
+
+
+def alive_actors() -> list[str]:
+    from ray._private import state
+
+    return [a["ActorID"] for a in state.actors().values() if a["State"] != "DEAD"]
+
+
+@pytest.fixture
+def no_actor_left(cluster):
+    yield
+    deadline = time.monotonic() + 30
+    while alive_actors() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive_actors() == []
+    assert not [t for t in threading.enumerate() if t.name == "notebook_launcher-ray-feed"]
+
+
+def all_reduce_and_talk(scale):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(total)
+    print(f"rank {dist.get_rank()} of {dist.get_world_size()} on stdout")
+    print(f"rank {dist.get_rank()} on stderr", file=sys.stderr)
+    os.system(f"echo rank {dist.get_rank()} from a child process")  # fd-level output
+    return dist.get_rank(), total.item() * scale
+
+
+def test_ray_ranks_return_values_and_stream_their_output(capfd, no_actor_left):
+    values = notebook_launcher(all_reduce_and_talk, (10,), num_processes=2, backend="ray", return_all=True)
+    assert values == [(0, 30.0), (1, 30.0)]
+    assert notebook_launcher(all_reduce_and_talk, (1,), num_processes=2, backend="ray") == (0, 3.0)
+    out, err = capfd.readouterr()
+    for rank in (0, 1):
+        assert out.count(f"[rank{rank}]: rank {rank} of 2 on stdout\n") == 2
+        assert out.count(f"[rank{rank}]: rank {rank} from a child process\n") == 2
+        assert err.count(f"[rank{rank}]: rank {rank} on stderr\n") == 2
+
+
+def test_many_lines_arrive_whole_and_in_order(capfd, no_actor_left):
+    def chatty():
+        rank = os.environ["RANK"]
+        for i in range(2000):
+            print(f"line {i} of rank {rank} " + "x" * 50)
+
+    notebook_launcher(chatty, num_processes=2, backend="ray")
+    out = capfd.readouterr().out
+    for rank in (0, 1):
+        lines = [line for line in out.splitlines() if line.startswith(f"[rank{rank}]: ")]
+        assert lines == [f"[rank{rank}]: line {i} of rank {rank} " + "x" * 50 for i in range(2000)]
+
+
+def fails_on_rank_1():
+    if os.environ["RANK"] == "1":
+        raise KeyError("no such column: 'label'")
+    time.sleep(120)
+
+
+def test_a_failing_ray_rank_is_named_with_its_traceback_and_type(no_actor_left):
+    started = time.monotonic()
+    with pytest.raises(KeyError) as caught:
+        notebook_launcher(fails_on_rank_1, num_processes=2, backend="ray")
+    error = caught.value
+    assert isinstance(error, RankFailedError)
+    assert str(error).startswith("Rank 1 (pid ")
+    assert "raised KeyError: \"no such column: 'label'\". The other ranks were stopped." in str(error)
+    assert "Traceback from rank 1:" in str(error)
+    assert 'in fails_on_rank_1\n    raise KeyError("no such column: \'label\'")' in str(error)
+    assert [f.rank for f in error.failures] == [1]
+    assert time.monotonic() - started < 100  # rank 0 was stopped, not waited for
+
+
+class InterruptWhenBothStarted:
+    """Presses the stop button (SIGINT to the calling thread) once both ranks run."""
+
+    def __init__(self) -> None:
+        self.started: set[int] = set()
+        self.main = threading.get_ident()
+
+    def on_event(self, event):
+        if isinstance(event, OutputLine) and event.text == "started":
+            self.started.add(event.rank)
+            if self.started == {0, 1}:
+                signal.pthread_kill(self.main, signal.SIGINT)
+
+
+def print_then_sleep():
+    print("started", flush=True)
+    time.sleep(120)
+
+
+def test_an_interrupt_stops_every_ray_rank(no_actor_left):
+    with pytest.raises(KeyboardInterrupt):
+        notebook_launcher(print_then_sleep, num_processes=2, backend="ray",
+                          observers=[InterruptWhenBothStarted()])
+
+
+def test_ray_refuses_multi_node_arguments_and_a_stray_address(cluster):
+    with pytest.raises(LaunchUnsupportedError, match=r"backend='ray' with num_nodes=2: Ray places"):
+        notebook_launcher(print, num_processes=1, num_nodes=2, backend="ray")
+    with pytest.raises(LaunchConfigError, match=r"ray_address='auto' is only used with backend='ray'"):
+        notebook_launcher(print, ray_address="auto")
+
+
+def test_a_local_cluster_started_for_the_launch_is_shut_down(tmp_path):
+    """Without a cluster, the launcher starts one on loopback and leaves nothing behind."""
+    script = tmp_path / "launch.py"
+    script.write_text(textwrap.dedent("""
+        import os, psutil
+        from notebook_launcher import notebook_launcher
+
+        def rank():
+            return int(os.environ["RANK"])
+
+        print("VALUES", notebook_launcher(rank, num_processes=2, backend="ray", return_all=True))
+        import ray
+        print("INITIALIZED", ray.is_initialized())
+        left = [p.cmdline()[:2] for p in psutil.Process().children(recursive=True)]
+        print("LEFT", left)
+    """))
+    short = tempfile.mkdtemp(prefix="nlray")  # Ray's socket paths must stay under 107 bytes
+    env = {**os.environ, **RAY_ENV, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": short}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+    shutil.rmtree(short, ignore_errors=True)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "VALUES [0, 1]" in lines
+    assert "INITIALIZED False" in lines
+    assert "LEFT []" in lines
