@@ -126,6 +126,27 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--port", type=int, metavar="PORT", help="rendezvous port (default: a free one)"
     )
+    run.add_argument(
+        "--max-restarts", type=_whole, default=0, metavar="N",
+        help="after a rank fails, restart every rank up to N times (default: 0)",
+    )
+    run.add_argument(
+        "--backend", choices=rules.BACKENDS, default="auto",
+        help="what starts the ranks: local processes, or Ray actors (default: auto)",
+    )
+    run.add_argument("--ray-address", metavar="ADDRESS", help="with --backend ray: the cluster")
+    nodes = run.add_argument_group(
+        "several machines", "run the same command on each machine, as with torchrun"
+    )
+    nodes.add_argument("--num-nodes", type=_positive_int, default=1, metavar="N")
+    nodes.add_argument("--node-rank", type=_whole, default=0, metavar="RANK")
+    nodes.add_argument("--rdzv-backend", choices=("static", "c10d"), default="static")
+    nodes.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT")
+    nodes.add_argument("--rdzv-id", default="none", metavar="ID")
+    nodes.add_argument(
+        "--master-addr", default="127.0.0.1", metavar="ADDRESS",
+        help="address the store listens on (default: 127.0.0.1)",
+    )
     return parser
 
 
@@ -136,6 +157,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _whole(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value
 
 
@@ -271,6 +302,15 @@ def _run(arguments: argparse.Namespace) -> int:
             start_method=arguments.start_method,
             timeout=arguments.timeout,
             output=arguments.output,
+            max_restarts=arguments.max_restarts,
+            backend=arguments.backend,
+            ray_address=arguments.ray_address,
+            num_nodes=arguments.num_nodes,
+            node_rank=arguments.node_rank,
+            rdzv_backend=arguments.rdzv_backend,
+            rdzv_endpoint=arguments.rdzv_endpoint,
+            rdzv_id=arguments.rdzv_id,
+            master_addr=arguments.master_addr,
         )
     except LaunchConfigError as error:
         raise _UsageError(_one_line(str(error))) from error

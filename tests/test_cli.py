@@ -77,6 +77,8 @@ def test_run_help_explains_the_options_and_where_script_arguments_go():
         (("run", "{script}", "--epochs", "3"), "unrecognized arguments: --epochs 3; the script's own arguments go after --"),
         (("run", "{script}", "--mixed-precision", "fp8"), "mixed_precision='fp8' cannot run here: fp8 needs a Hopper-class NVIDIA GPU"),
         (("env", "--yaml"), "unrecognized arguments: --yaml"),
+        (("run", "{script}", "--max-restarts", "-1"), "--max-restarts: must be at least 0, got -1"),
+        (("run", "{script}", "--num-nodes", "2", "--node-rank", "2"), "node_rank=2 but num_nodes=2"),
     ],
 )
 def test_bad_arguments_give_one_line_and_exit_code_2(tmp_path, words, message):
@@ -179,6 +181,25 @@ def test_run_with_a_failing_rank_exits_1_with_its_traceback(tmp_path):
     assert "Traceback from rank 1:" in done.stderr
     assert f'File "{script}", line 12, in main' in done.stderr
     assert_no_process_left(tmp_path)
+
+
+def test_run_restarts_failed_ranks_with_max_restarts(tmp_path):
+    script = write_script(tmp_path, """
+        import os
+        from pathlib import Path
+
+        marker = Path("failed-once")
+        if os.environ["RANK"] == "1" and not marker.exists():
+            marker.write_text("")
+            raise RuntimeError("first attempt fails")
+        print("attempt", os.environ["TORCHELASTIC_RESTART_COUNT"], "done")
+    """)
+    done = cli("run", str(script), "-n", "2", "--max-restarts", "2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "notebook_launcher: restart 1 of 2: rank 1 failed with RuntimeError: first attempt fails" in done.stderr
+    # Rank 0 may finish attempt 0 before rank 1 fails; attempt 1 runs both again.
+    assert {"[rank0]: attempt 1 done", "[rank1]: attempt 1 done"} <= set(done.stdout.splitlines())
+    assert "[rank1]: attempt 0 done" not in done.stdout
 
 
 def test_run_past_its_timeout_exits_1_and_stops_every_rank(tmp_path):

@@ -135,3 +135,37 @@ print("ok")
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
     )
     assert done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.kernel
+def test_restarts_are_announced_in_the_notebook_cell(tmp_path):
+    from .kernel_driver import RunningKernel
+
+    kernel = RunningKernel()
+    try:
+        cell = kernel.run(
+            f"""
+            import os
+            from pathlib import Path
+            from notebook_launcher import notebook_launcher
+
+            counter = Path({str(tmp_path / "counter")!r})
+            def train():
+                if os.environ["RANK"] == "1":
+                    with open(counter, "a") as file:
+                        file.write("x")
+                    if len(counter.read_text()) < 3:
+                        raise ValueError("loss is nan")
+                return "trained after " + os.environ["TORCHELASTIC_RESTART_COUNT"] + " restarts"
+
+            notebook_launcher(train, num_processes=2, max_restarts=3)
+            """
+        )
+    finally:
+        kernel.shutdown()
+    assert cell.error is None, cell.error
+    assert cell.result == "'trained after 2 restarts'"
+    assert cell.stderr.splitlines() == [
+        "notebook_launcher: restart 1 of 3: rank 1 failed with ValueError: loss is nan",
+        "notebook_launcher: restart 2 of 3: rank 1 failed with ValueError: loss is nan",
+    ]

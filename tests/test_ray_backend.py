@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
-import shutil
 import sys
 import tempfile
 import textwrap
@@ -196,3 +196,34 @@ def test_a_local_cluster_started_for_the_launch_is_shut_down(tmp_path):
     assert "VALUES [0, 1]" in lines
     assert "INITIALIZED False" in lines
     assert "LEFT []" in lines
+
+
+@pytest.mark.kernel
+def test_ray_ranks_output_and_failure_show_in_the_notebook_cell():
+    from .kernel_driver import RunningKernel
+
+    kernel = RunningKernel()
+    try:
+        setup = kernel.run(
+            f"""
+            import os
+            os.environ.update({RAY_ENV!r})
+            os.environ["RAY_TMPDIR"] = __import__("tempfile").mkdtemp(prefix="nlray")
+            from notebook_launcher import notebook_launcher
+
+            def greet():
+                print("hello from rank", os.environ["RANK"])
+                if os.environ["RANK"] == "1":
+                    raise ValueError("rank 1 is unhappy")
+            """
+        )
+        assert setup.error is None, setup.error
+        cell = kernel.run("notebook_launcher(greet, num_processes=2, backend='ray')", timeout=300)
+        left = kernel.run("import ray; ray.is_initialized()")
+    finally:
+        kernel.shutdown()
+    assert "[rank0]: hello from rank 0\n" in cell.stdout
+    assert "[rank1]: hello from rank 1\n" in cell.stdout
+    assert cell.error is not None and cell.error["ename"] == "RankFailedError[ValueError]"
+    assert "raised ValueError: rank 1 is unhappy" in cell.error["evalue"]
+    assert left.result == "False"  # the cluster started for the launch was shut down
