@@ -59,9 +59,11 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def run_two_nodes(tmp_path: Path, backend: str, fail_rank: int = -1) -> list[subprocess.CompletedProcess[str]]:
+def run_two_nodes(
+    tmp_path: Path, backend: str, fail_rank: int = -1, source: str = NODE
+) -> list[subprocess.CompletedProcess[str]]:
     script = tmp_path / "node.py"
-    script.write_text(textwrap.dedent(NODE))
+    script.write_text(textwrap.dedent(source))
     endpoint = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     nodes = [
@@ -127,6 +129,38 @@ def test_a_failing_rank_on_one_machine_fails_the_launch_on_both(tmp_path):
     assert "Rank 3 (pid" in failing["text"] and "rank 3 gives up" in failing["text"]
     # The other machine's ranks lost their peer in the collective: they fail, not hang.
     assert "RankFailedError" in other["types"]
+
+
+RESTARTING_NODE = """
+import json, os, sys
+from notebook_launcher import notebook_launcher
+
+backend, node_rank, endpoint = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+
+def train():
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 3 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        raise ValueError("the first attempt of rank 3 fails")
+    total = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(total)  # rank 3's peers see it gone: their attempt fails too
+    return dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"]), total.item()
+
+values = notebook_launcher(train, num_processes=2, num_nodes=2, node_rank=node_rank,
+                           rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_id="job9",
+                           rdzv_conf={"join_timeout": 120}, max_restarts=2, timeout=240,
+                           return_all=True)
+print("RESULT " + json.dumps(values))
+"""
+
+
+@pytest.mark.slow
+def test_both_machines_restart_together_after_a_failure(tmp_path):
+    nodes = run_two_nodes(tmp_path, "static", source=RESTARTING_NODE)
+    assert tagged(nodes[0], "RESULT") == [[0, 1, 6.0], [1, 1, 6.0]]
+    assert tagged(nodes[1], "RESULT") == [[2, 1, 6.0], [3, 1, 6.0]]
+    assert "restart 1 of 2: rank 3 failed with ValueError: the first attempt of rank 3 fails" in nodes[1].stderr
+    assert "restart 1 of 2: rank " in nodes[0].stderr
 
 
 @pytest.mark.parametrize(
