@@ -169,3 +169,48 @@ def test_restarts_are_announced_in_the_notebook_cell(tmp_path):
         "notebook_launcher: restart 1 of 3: rank 1 failed with ValueError: loss is nan",
         "notebook_launcher: restart 2 of 3: rank 1 failed with ValueError: loss is nan",
     ]
+
+
+def test_a_restart_with_a_fixed_port_binds_it_again(tmp_path, capfd, leak_check):
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    marker = tmp_path / "failed"
+
+    def fail_once():
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")  # connects to the store on the fixed port
+        if os.environ["RANK"] == "1" and not marker.exists():
+            marker.write_text("")
+            raise RuntimeError("first attempt")
+        dist.barrier()
+        return os.environ["MASTER_PORT"]
+
+    assert notebook_launcher(fail_once, num_processes=2, use_port=port, max_restarts=1) == str(port)
+    assert "restart 1 of 1: rank 1 failed with RuntimeError: first attempt" in capfd.readouterr().err
+
+
+def test_a_crash_without_exception_is_also_childfailederror(leak_check):
+    def crash():
+        os._exit(3)
+
+    with pytest.raises(ChildFailedError, match=r"Rank \d \(pid \d+\) exited with code 3") as caught:
+        notebook_launcher(crash, num_processes=2, start_method="fork")
+    assert type(caught.value).__name__ == "RankFailedError"
+    assert caught.value.get_first_failure()[1].exitcode == 3
+
+
+class Sealed(Exception):
+    def __init_subclass__(cls, **kwargs):
+        raise TypeError("Sealed cannot be subclassed")
+
+
+def test_an_exception_type_that_cannot_be_subclassed_still_gives_childfailederror():
+    from notebook_launcher.errors import rank_failed_error_class
+
+    cls = rank_failed_error_class(Sealed)
+    assert issubclass(cls, RankFailedError) and issubclass(cls, ChildFailedError)
+    assert not issubclass(cls, Sealed)
