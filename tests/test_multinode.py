@@ -173,6 +173,7 @@ def test_both_machines_restart_together_after_a_failure(tmp_path):
         ({"rdzv_conf": ["timeout"]}, r"rdzv_conf must be a dict such as"),
         ({"rdzv_conf": {"join_timeout": -5}}, r"rdzv_conf\['join_timeout'\] must be a positive number"),
         ({"rdzv_id": ""}, r"rdzv_id must be a non-empty string"),
+        ({"rdzv_conf": {"read_timeout": 5}}, r"rdzv_conf has 'read_timeout', which this launcher does not use \(it would be ignored\); the keys it reads are join_timeout, "),
         ({"num_nodes": 2, "rdzv_endpoint": "10.0.0.1:port"}, r"rdzv_endpoint='10.0.0.1:port' is not a 'host:port' address"),
     ],
 )

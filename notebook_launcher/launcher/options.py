@@ -16,7 +16,7 @@ from typing import Any
 from notebook_launcher import rules
 from notebook_launcher.errors import LaunchConfigError, LaunchTypeError
 from notebook_launcher.hardware import HardwareReport
-from notebook_launcher.launcher.rendezvous import RDZV_BACKENDS
+from notebook_launcher.launcher.rendezvous import RDZV_BACKENDS, RDZV_CONF_KEYS
 
 
 def check_not_inside_rank(inside_rank: bool) -> None:
@@ -80,6 +80,12 @@ def check_scale_out(
     if not isinstance(rdzv_id, str) or not rdzv_id:
         raise LaunchTypeError(f"rdzv_id must be a non-empty string naming the job; got {rdzv_id!r}.")
     conf = dict(rdzv_conf or {})
+    unknown = sorted(set(conf) - set(RDZV_CONF_KEYS))
+    if unknown:
+        raise LaunchConfigError(
+            f"rdzv_conf has {', '.join(repr(k) for k in unknown)}, which this launcher does not "
+            f"use (it would be ignored); the keys it reads are {', '.join(RDZV_CONF_KEYS)}."
+        )
     for key in ("join_timeout", "last_call_timeout", "close_timeout", "timeout"):
         if key in conf:
             check_seconds(f"rdzv_conf[{key!r}]", _number(conf[key]), example="900", allow_none=False)
