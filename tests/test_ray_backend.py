@@ -160,6 +160,18 @@ def test_an_interrupt_stops_every_ray_rank(no_actor_left):
                           observers=[InterruptWhenBothStarted()])
 
 
+def test_more_ranks_than_the_cluster_can_place_is_an_error_not_a_hang(monkeypatch, no_actor_left):
+    from notebook_launcher.launcher.backends import ray as ray_backend
+
+    monkeypatch.setattr(ray_backend, "_PLACE_TIMEOUT_S", 3.0)
+    with pytest.raises(
+        ray_backend.RayClusterError,
+        match=r"Ray could not place 1 of 3 ranks within 3s: each needs 1 CPU, and the cluster "
+        r"has 0 CPU\(s\) and 0 GPU\(s\) free\. Ask for fewer ranks",
+    ):
+        notebook_launcher(print, num_processes=3, backend="ray")
+
+
 def test_ray_refuses_multi_node_arguments_and_a_stray_address(cluster):
     with pytest.raises(LaunchUnsupportedError, match=r"backend='ray' with num_nodes=2: Ray places"):
         notebook_launcher(print, num_processes=1, num_nodes=2, backend="ray")

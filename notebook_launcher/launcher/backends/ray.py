@@ -196,9 +196,12 @@ class ActorControl(RankControl):
 
     def release(self) -> None:
         self.kill()
-        self._feeder.join(timeout=10)
-        if self._feeder.is_alive():  # never started (start failed before begin)
+        if self._feeder.ident is None:  # never started: start() failed before begin()
             self._close_ends()
+            self._ended = self._ended or Ended(None)
+            self._done.set()
+            return
+        self._feeder.join(timeout=10)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -259,12 +262,14 @@ class RayBackend(Backend):
             ]
             ready, pending = ray.wait(started, num_returns=len(started), timeout=_PLACE_TIMEOUT_S)
             if pending:
+                free = ray.available_resources()
                 raise RayClusterError(
                     f"Ray could not place {len(pending)} of {len(specs)} ranks within "
                     f"{_PLACE_TIMEOUT_S:g}s: each needs 1 CPU"
                     + (" and 1 GPU" if plan.accelerator == "cuda" else "")
-                    + f" and the cluster has {ray.available_resources()} free. Ask for fewer "
-                    "ranks, or add machines to the cluster."
+                    + f", and the cluster has {free.get('CPU', 0):g} CPU(s) and "
+                    f"{free.get('GPU', 0):g} GPU(s) free. Ask for fewer ranks, or add machines "
+                    "to the cluster."
                 )
             ray.get(ready)  # a rank that could not even start raises here
             for control in controls:
