@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -88,7 +89,8 @@ def main() -> None:
     temp_dir = tempfile.mkdtemp(prefix="nlbench")
     ray.init(num_cpus=WORLD_SIZE, include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1", _temp_dir=temp_dir)
-    trainer = torch_trainer(tempfile.mkdtemp(prefix="nlbench-results"))
+    results_dir = tempfile.mkdtemp(prefix="nlbench-results")
+    trainer = torch_trainer(results_dir)
     timings: dict[str, list[float]] = {"ours": [], "TorchTrainer": []}
     timed(ours)  # both warm: worker processes started, modules imported
     timed(trainer)
@@ -96,6 +98,8 @@ def main() -> None:
         timings["ours"].append(timed(ours))
         timings["TorchTrainer"].append(timed(trainer))
     ray.shutdown()
+    for directory in (temp_dir, results_dir):
+        shutil.rmtree(directory, ignore_errors=True)
 
     print(f"2 CPU ranks, gloo all_reduce, {rounds} rounds, medians (seconds):")
     base = statistics.median(timings["ours"])

@@ -212,13 +212,14 @@ def test_a_local_cluster_started_for_the_launch_is_shut_down(tmp_path):
 def test_ray_ranks_output_and_failure_show_in_the_notebook_cell():
     from .kernel_driver import RunningKernel
 
+    temp_dir = tempfile.mkdtemp(prefix="nlray")  # Ray's socket paths must stay under 107 bytes
     kernel = RunningKernel()
     try:
         setup = kernel.run(
             f"""
             import os
             os.environ.update({RAY_ENV!r})
-            os.environ["RAY_TMPDIR"] = __import__("tempfile").mkdtemp(prefix="nlray")
+            os.environ["RAY_TMPDIR"] = {temp_dir!r}
             from notebook_launcher import notebook_launcher
 
             def greet():
@@ -232,6 +233,7 @@ def test_ray_ranks_output_and_failure_show_in_the_notebook_cell():
         left = kernel.run("import ray; ray.is_initialized()")
     finally:
         kernel.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
     assert "[rank0]: hello from rank 0\n" in cell.stdout
     assert "[rank1]: hello from rank 1\n" in cell.stdout
     assert cell.error is not None and cell.error["ename"] == "RankFailedError[ValueError]"
