@@ -239,3 +239,36 @@ def test_ray_ranks_output_and_failure_show_in_the_notebook_cell():
     assert cell.error is not None and cell.error["ename"] == "RankFailedError[ValueError]"
     assert "raised ValueError: rank 1 is unhappy" in cell.error["evalue"]
     assert left.result == "False"  # the cluster started for the launch was shut down
+
+
+def test_a_local_rank_crash_is_still_reported_after_ray_ran_in_the_kernel(tmp_path):
+    """Ray leaves its own SIGSEGV handler in the kernel; forked ranks must replace it."""
+    script = tmp_path / "crash.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys, time
+        import ray
+
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
+                 _node_ip_address="127.0.0.1", _temp_dir=sys.argv[1])
+        ray.shutdown()
+        from notebook_launcher import notebook_launcher
+
+        def crash():
+            if os.environ["RANK"] == "1":
+                os.kill(os.getpid(), signal.SIGSEGV)
+            time.sleep(60)
+
+        try:
+            notebook_launcher(crash, num_processes=2, start_method="fork", output="none")
+        except Exception as error:
+            print("REPORT", "Fatal Python error: Segmentation fault" in str(error))
+    """))
+    short = tempfile.mkdtemp(prefix="nlray")
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script), short], capture_output=True, text=True, timeout=300,
+            env={**os.environ, **RAY_ENV, "PYTHONPATH": str(ROOT)}, cwd=tmp_path,
+        )
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+    assert "REPORT True" in done.stdout.splitlines(), done.stdout + done.stderr
