@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-from typing import ClassVar
+import sys
+from typing import ClassVar, cast
 
 
 class LaunchError(RuntimeError):
@@ -121,27 +122,82 @@ class SessionError(LaunchError):
     """A session cannot run this: it was closed, or its ranks are gone (restart it)."""
 
 
-_typed_classes: dict[type[BaseException], type[RankFailedError]] = {}
+_typed_classes: dict[tuple[type[BaseException] | None, type[Exception] | None], type[RankFailedError]] = {}
 
 
 def rank_failed_error_class(remote_type: type[BaseException] | None) -> type[RankFailedError]:
-    """RankFailedError, made a subclass of the rank's exception type where Python allows it."""
-    if remote_type is None or not issubclass(remote_type, Exception):
+    """RankFailedError, made a subclass of the rank's exception type where Python allows it.
+
+    Where torch is loaded it is also a subclass of torch elastic's ``ChildFailedError``,
+    which accelerate's launcher (through torch elastic) raises, so code written for that
+    launcher keeps catching rank failures. This module itself never imports torch.
+    """
+    if remote_type is not None and (
+        not issubclass(remote_type, Exception) or issubclass(remote_type, RankFailedError)
+    ):
+        remote_type = None
+    torch_view = _child_failed_view()
+    key = (remote_type, torch_view)
+    cls = _typed_classes.get(key)
+    if cls is not None:
+        return cls
+    bases: tuple[type, ...] = (RankFailedError,)
+    if torch_view is not None:
+        bases += (torch_view,)
+    if remote_type is not None:
+        bases += (remote_type,)
+    if len(bases) == 1:
         return RankFailedError
-    if issubclass(remote_type, RankFailedError):
-        return RankFailedError
-    cls = _typed_classes.get(remote_type)
-    if cls is None:
-        try:
-            cls = type(
-                f"RankFailedError[{remote_type.__qualname__}]",
-                (RankFailedError, remote_type),
-                {"remote_type": remote_type, "__module__": __name__},
-            )
-        except TypeError:  # e.g. OSError: its instance layout cannot be combined
+    name = f"RankFailedError[{remote_type.__qualname__}]" if remote_type else "RankFailedError"
+    try:
+        cls = type(name, bases, {"remote_type": remote_type, "__module__": __name__})
+    except TypeError:  # e.g. OSError: its instance layout cannot be combined
+        if remote_type is None:
             return RankFailedError
-        _typed_classes[remote_type] = cls
+        return rank_failed_error_class(None)
+    _typed_classes[key] = cls
     return cls
+
+
+_child_failed_views: list[type[Exception]] = []
+
+
+def _child_failed_view() -> type[Exception] | None:
+    """torch elastic's ``ChildFailedError``, adapted to read a RankFailedError's failures.
+
+    Built on first use once the kernel has loaded torch (a launch always has).
+    """
+    if _child_failed_views:
+        return _child_failed_views[0]
+    if "torch" not in sys.modules:
+        return None
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import (
+            ChildFailedError,
+            ProcessFailure,
+        )
+    except Exception:  # a torch build without torch.distributed
+        return None
+
+    class ChildFailedView(ChildFailedError):
+        # ChildFailedError keeps failures as {rank: ProcessFailure}; ours are a list of
+        # RankFailure, so its two readers are answered from ours.
+        name = "notebook_launcher"
+
+        def get_first_failure(self) -> tuple[int, ProcessFailure]:
+            ours = cast("list[RankFailure]", self.failures)
+            first = min(ours, key=lambda f: f.time)
+            failure = ProcessFailure(first.rank, first.pid or 0, first.exitcode or 1, "")
+            failure.message = first.summary()
+            failure.timestamp = int(first.time)
+            return first.rank, failure
+
+        def format_msg(self, boarder_delim: str = "=", section_delim: str = "-") -> str:
+            return str(self)
+
+    ChildFailedView.__module__ = __name__
+    _child_failed_views.append(ChildFailedView)
+    return ChildFailedView
 
 
 def _rebuild_rank_failed_error(

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import re
 import socket
 import threading
 
 import pytest
 
 from notebook_launcher import LaunchConfigError, notebook_launcher
-from notebook_launcher.errors import LaunchTypeError, LaunchUnsupportedError
+from notebook_launcher.errors import LaunchTypeError
 
 H100 = ("NVIDIA H100 80GB HBM3", 81559, "9.0")
 
@@ -135,27 +134,6 @@ def test_unpicklable_closure_variable_is_named(leak_check):
 
     with pytest.raises(LaunchConfigError, match=r"uses the closure variable 'lock' \(a _thread\.RLock\)"):
         notebook_launcher(uses_a_lock, start_method="spawn")
-
-
-@pytest.mark.parametrize(
-    ("argument", "value"),
-    [
-        ("num_nodes", 2), ("node_rank", 1), ("rdzv_backend", "c10d"),
-        ("rdzv_endpoint", "10.0.0.1:29400"), ("rdzv_id", "job1"), ("max_restarts", 3),
-    ],
-)
-def test_scale_out_arguments_are_not_silently_ignored(argument, value, leak_check):
-    with pytest.raises(
-        LaunchUnsupportedError,
-        match=rf"{re.escape(argument)}={re.escape(repr(value))}: this installation of notebook_launcher "
-        r"launches on one machine only, without elastic restarts\. Leave",
-    ):
-        notebook_launcher(never_called, **{argument: value})
-
-
-def test_rdzv_conf_is_not_silently_ignored():
-    with pytest.raises(LaunchUnsupportedError, match=r"rdzv_conf=\{'timeout': 5\}: this installation"):
-        notebook_launcher(never_called, rdzv_conf={"timeout": 5})
 
 
 def test_tpu_is_not_silently_run_on_cpu():

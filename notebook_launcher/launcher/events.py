@@ -61,6 +61,16 @@ class RankFinished:
 
 
 @dataclasses.dataclass(frozen=True)
+class GroupRestarting:
+    """The ranks of this machine failed and start again (``max_restarts``)."""
+
+    restart: int  # 1 for the first restart
+    max_restarts: int
+    failure: RankFailure  # the root cause of the attempt that failed
+    line: str  # what the cell shows: "restart 1 of 3: rank 1 failed with ..."
+
+
+@dataclasses.dataclass(frozen=True)
 class LaunchFinished:
     # "ok", "failed", "timeout", "interrupted", "stopped", or "error" (the launcher or an
     # observer raised); sent on every path that sent LaunchStarted
@@ -69,7 +79,14 @@ class LaunchFinished:
 
 
 LaunchEvent = Union[
-    LaunchStarted, RankStarted, OutputLine, RankProgress, RankMetric, RankFinished, LaunchFinished
+    LaunchStarted,
+    RankStarted,
+    OutputLine,
+    RankProgress,
+    RankMetric,
+    RankFinished,
+    GroupRestarting,
+    LaunchFinished,
 ]
 
 

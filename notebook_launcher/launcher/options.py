@@ -6,24 +6,17 @@ work and what to do instead; :mod:`notebook_launcher.launcher.plan` composes the
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+import types
 from collections.abc import Mapping
 from typing import Any
 
 from notebook_launcher import rules
-from notebook_launcher.errors import LaunchConfigError, LaunchTypeError, LaunchUnsupportedError
+from notebook_launcher.errors import LaunchConfigError, LaunchTypeError
 from notebook_launcher.hardware import HardwareReport
-
-# The multi-node arguments, with the value that means "this machine only".
-SCALE_OUT_DEFAULTS: dict[str, Any] = {
-    "num_nodes": 1,
-    "node_rank": 0,
-    "rdzv_backend": "static",
-    "rdzv_endpoint": "",
-    "rdzv_id": "none",
-    "max_restarts": 0,
-}
+from notebook_launcher.launcher.rendezvous import RDZV_BACKENDS, RDZV_CONF_KEYS
 
 
 def check_not_inside_rank(inside_rank: bool) -> None:
@@ -59,22 +52,82 @@ def check_args(args: Any, kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]
     return tuple(args), dict(kwargs)
 
 
-def check_scale_out_unused(values: Mapping[str, Any], rdzv_conf: Any) -> None:
-    """Multi-node arguments: accepted at their defaults, never silently ignored."""
-    for name, default in SCALE_OUT_DEFAULTS.items():
-        value = values[name]
-        if value != default:
-            raise LaunchUnsupportedError(
-                f"{name}={value!r}: this installation of notebook_launcher launches on one "
-                f"machine only, without elastic restarts. Leave {name} at its default "
-                f"({default!r}) to launch on this machine."
-            )
-    if rdzv_conf:
-        raise LaunchUnsupportedError(
-            f"rdzv_conf={rdzv_conf!r}: this installation of notebook_launcher launches on one "
-            "machine only, with no rendezvous to configure. Leave rdzv_conf unset to launch "
-            "on this machine."
+def check_scale_out(
+    num_nodes: Any, node_rank: Any, rdzv_backend: Any, rdzv_endpoint: Any, rdzv_conf: Any,
+    rdzv_id: Any, max_restarts: Any,
+) -> dict[str, Any]:
+    """The multi-node and elastic arguments, checked (LaunchPlan's fields of those names)."""
+    num_nodes = _whole_number("num_nodes", num_nodes, minimum=1)
+    node_rank = _whole_number("node_rank", node_rank, minimum=0)
+    if node_rank >= num_nodes:
+        raise LaunchConfigError(
+            f"node_rank={node_rank} but num_nodes={num_nodes}: node ranks run from 0 to "
+            f"{num_nodes - 1}. Give each machine its own node_rank below num_nodes."
         )
+    if rdzv_backend not in RDZV_BACKENDS:
+        raise LaunchConfigError(
+            f"rdzv_backend={rdzv_backend!r} is not known; use 'static' (node_rank decides each "
+            "machine's ranks) or 'c10d' (torch's dynamic rendezvous)."
+        )
+    if not isinstance(rdzv_endpoint, str):
+        raise LaunchTypeError(f"rdzv_endpoint must be a 'host:port' string; got {rdzv_endpoint!r}.")
+    if rdzv_conf is not None and (
+        not isinstance(rdzv_conf, Mapping) or not all(isinstance(k, str) for k in rdzv_conf)
+    ):
+        raise LaunchTypeError(
+            f"rdzv_conf must be a dict such as {{'join_timeout': 900}}; got {rdzv_conf!r}."
+        )
+    if not isinstance(rdzv_id, str) or not rdzv_id:
+        raise LaunchTypeError(f"rdzv_id must be a non-empty string naming the job; got {rdzv_id!r}.")
+    conf = dict(rdzv_conf or {})
+    unknown = sorted(set(conf) - set(RDZV_CONF_KEYS))
+    if unknown:
+        raise LaunchConfigError(
+            f"rdzv_conf has {', '.join(repr(k) for k in unknown)}, which this launcher does not "
+            f"use (it would be ignored); the keys it reads are {', '.join(RDZV_CONF_KEYS)}."
+        )
+    for key in ("join_timeout", "last_call_timeout", "close_timeout", "timeout"):
+        if key in conf:
+            check_seconds(f"rdzv_conf[{key!r}]", _number(conf[key]), example="900", allow_none=False)
+    return {
+        "num_nodes": num_nodes,
+        "node_rank": node_rank,
+        "rdzv_backend": rdzv_backend,
+        "rdzv_endpoint": rdzv_endpoint.strip(),
+        "rdzv_id": rdzv_id,
+        "rdzv_conf": types.MappingProxyType(conf),
+        "max_restarts": _whole_number("max_restarts", max_restarts, minimum=0),
+    }
+
+
+def check_ray_address(address: Any, backend: str) -> str | None:
+    if address is None:
+        return None
+    if not isinstance(address, str) or not address.strip():
+        raise LaunchTypeError(
+            f"ray_address must be the address of a Ray cluster such as 'ray://10.0.0.1:10001' "
+            f"or 'auto'; got {address!r}."
+        )
+    if backend != "ray":
+        raise LaunchConfigError(
+            f"ray_address={address!r} is only used with backend='ray'; pass backend='ray' to "
+            "run the ranks on that cluster, or leave ray_address unset."
+        )
+    return address.strip()
+
+
+def _whole_number(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise LaunchTypeError(f"{name} must be a whole number; got {type(value).__name__} {value!r}.")
+    if value < minimum:
+        raise LaunchConfigError(f"{name} must be at least {minimum}; got {value}.")
+    return int(value)
+
+
+def _number(value: Any) -> Any:
+    with contextlib.suppress(TypeError, ValueError):
+        return float(value)
+    return value
 
 
 def resolve_accelerator(hardware: Any, report: HardwareReport) -> str:

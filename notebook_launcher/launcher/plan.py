@@ -52,6 +52,7 @@ class LaunchCall:
     output: Any = "all"
     backend: Any = "auto"
     keep_result_devices: Any = False
+    ray_address: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +80,7 @@ class LaunchPlan:
     rdzv_id: str = "none"
     rdzv_conf: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _NO_CONF)
     max_restarts: int = 0
+    ray_address: str | None = None  # backend="ray": the cluster to join (None: RAY_ADDRESS or a local one)
 
     @property
     def world_size(self) -> int:
@@ -109,8 +111,9 @@ def resolve_plan(
     """The plan for ``call`` on this machine and kernel; LaunchConfigError (or a kind of
     it) when anything rules the launch out, before any process starts."""
     options.check_not_inside_rank(kernel.inside_rank)
-    options.check_scale_out_unused(
-        {name: getattr(call, name) for name in options.SCALE_OUT_DEFAULTS}, call.rdzv_conf
+    scale_out = options.check_scale_out(
+        call.num_nodes, call.node_rank, call.rdzv_backend, call.rdzv_endpoint, call.rdzv_conf,
+        call.rdzv_id, call.max_restarts,
     )
     chosen = defaults.values
     accelerator = options.resolve_accelerator(call.hardware, report)
@@ -146,6 +149,8 @@ def resolve_plan(
         prefix_template=options.check_prefix_template(call.log_line_prefix_template),
         return_all=options.check_flag("return_all", call.return_all),
         keep_result_devices=options.check_flag("keep_result_devices", call.keep_result_devices),
+        ray_address=options.check_ray_address(call.ray_address, backend),
+        **scale_out,
     )
 
 

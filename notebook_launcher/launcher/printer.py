@@ -6,7 +6,12 @@ import string
 import sys
 import time
 
-from notebook_launcher.launcher.events import LaunchEvent, LaunchStarted, OutputLine
+from notebook_launcher.launcher.events import (
+    GroupRestarting,
+    LaunchEvent,
+    LaunchStarted,
+    OutputLine,
+)
 from notebook_launcher.rules import OUTPUT_MODES
 
 __all__ = ["DEFAULT_PREFIX", "OUTPUT_MODES", "TextPrinter"]
@@ -36,6 +41,8 @@ class TextPrinter:
             )
         elif isinstance(event, OutputLine):
             self._print_line(event)
+        elif isinstance(event, GroupRestarting) and self._output != "none":
+            print(f"notebook_launcher: {event.line}", file=sys.stderr)
 
     def _print_line(self, line: OutputLine) -> None:
         if self._output == "none" or (self._output == "main" and line.rank != 0):

@@ -219,6 +219,9 @@ def _redirect_output(stdout: Connection, stderr: Connection) -> None:
         )
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
+    # Disabled first: enable() on an already enabled faulthandler keeps its old signal
+    # handlers, and a library in the kernel (Ray) may have installed its own over them.
+    faulthandler.disable()
     faulthandler.enable(file=sys.stderr, all_threads=False)
 
 

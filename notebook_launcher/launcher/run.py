@@ -18,8 +18,9 @@ from types import TracebackType
 from typing import Any, Callable
 
 from notebook_launcher import rank_env, registry
-from notebook_launcher.launcher import backends, report
+from notebook_launcher.launcher import backends, elastic, rendezvous, report
 from notebook_launcher.launcher.events import (
+    GroupRestarting,
     LaunchEvent,
     LaunchFinished,
     LaunchObserver,
@@ -27,8 +28,8 @@ from notebook_launcher.launcher.events import (
 )
 from notebook_launcher.launcher.plan import LaunchPlan
 from notebook_launcher.launcher.rank import RankSpec
-from notebook_launcher.launcher.rank_group import RankGroup
-from notebook_launcher.launcher.store import RendezvousStore, bind_listener
+from notebook_launcher.launcher.rank_group import Outcome, RankGroup
+from notebook_launcher.launcher.rendezvous import Rendezvous, Round, open_rendezvous
 
 
 class Emitter:
@@ -55,7 +56,12 @@ def execute(
     kwargs: dict[str, Any],
     observers: list[LaunchObserver],
 ) -> list[Any]:
-    """Run ``function`` on every rank of ``plan``; return the values, indexed by rank."""
+    """Run ``function`` on every rank of ``plan`` on this machine; return their values,
+    in rank order (on several machines: this machine's ranks').
+
+    Each attempt (the first, and each restart of ``max_restarts``) is one rendezvous
+    round with a fresh store and a fresh rank group.
+    """
     backend = backends.lookup(plan.backend)
     backends.check_supports(backend, plan.accelerator)
     backend.check(plan)
@@ -63,24 +69,51 @@ def execute(
     emit = Emitter(observers)
     launch_id = uuid.uuid4().hex[:12]
     started = time.monotonic()
+    deadline = started + plan.timeout if plan.timeout is not None else None
     with contextlib.ExitStack() as cleanup:
-        listener = bind_listener(plan.master_addr, plan.port)
-        cleanup.callback(listener.close)
-        store = RendezvousStore(listener, plan.world_size)
-        cleanup.callback(store.close)
+        meeting = open_rendezvous(rendezvous.config_of(plan), plan.master_addr, plan.port,
+                                  plan.num_processes)
+        cleanup.callback(meeting.close)
         emit(LaunchStarted(plan.num_processes, plan.start.method, plan.accelerator,
                            plan.mixed_precision, plan.start.fallback_reason))
         cleanup.push(_FinishedOnError(emit, started))
+        attempt = 0
+        while True:
+            outcome = _run_attempt(plan, backend, payload, meeting, attempt, launch_id, emit, deadline)
+            if not elastic.should_restart(outcome, attempt, plan.max_restarts):
+                break
+            attempt += 1
+            failure = elastic.root_failure(outcome)
+            emit(GroupRestarting(attempt, plan.max_restarts, failure,
+                                 elastic.restart_line(attempt, plan.max_restarts, failure)))
+        if not (outcome.failures or outcome.timed_out_ranks or outcome.stopped_from_outside):
+            meeting.finish()
+    return report.finish(outcome, plan, emit, time.monotonic() - started)
+
+
+def _run_attempt(
+    plan: LaunchPlan,
+    backend: Any,
+    payload: Any,
+    meeting: Rendezvous,
+    attempt: int,
+    launch_id: str,
+    emit: Emitter,
+    deadline: float | None,
+) -> Outcome:
+    """One round: start this machine's ranks, run them until an outcome, close them."""
+    with contextlib.ExitStack() as cleanup:
+        round_ = meeting.next_round(attempt)
+        cleanup.callback(round_.close)
         group = RankGroup(
-            plan, backend, rank_specs(plan, launch_id, store.port), emit, launch_id=launch_id
+            plan, backend, rank_specs(plan, launch_id, round_=round_, attempt=attempt), emit, launch_id=launch_id
         )
         cleanup.callback(group.close)
         group.start(payload)
         record = _register(launch_id, plan, [r.pid for r in group.ranks if r.pid is not None])
         cleanup.callback(record.close)
-        deadline = started + plan.timeout if plan.timeout is not None else None
-        outcome = group.run(deadline=deadline, stop_requested=record.stop_requested)
-    return report.finish(outcome, plan, emit, time.monotonic() - started)
+        return group.run(deadline=deadline, stop_requested=record.stop_requested)
+    raise AssertionError("unreachable")  # for type checkers: the with block returns
 
 
 class _FinishedOnError:
@@ -98,8 +131,17 @@ class _FinishedOnError:
         return False
 
 
-def rank_specs(plan: LaunchPlan, launch_id: str, port: int) -> list[RankSpec]:
-    """What each local rank of ``plan`` needs besides the function (its environment...)."""
+def rank_specs(
+    plan: LaunchPlan, launch_id: str, port: int | None = None, *, round_: Round | None = None,
+    attempt: int = 0,
+) -> list[RankSpec]:
+    """What each local rank of ``plan`` needs besides the function (its environment...).
+
+    ``round_`` says where this attempt's ranks meet and this machine's group rank; without
+    it (one machine), they meet at ``plan.master_addr:port``.
+    """
+    if round_ is None:
+        round_ = Round(plan.node_rank, plan.num_nodes, plan.master_addr, port or 0, None)
     fork = plan.start.method == "fork"
     torch = sys.modules.get("torch")
     # A fork already carries the kernel's RNG state; fresh interpreters are handed it.
@@ -107,19 +149,30 @@ def rank_specs(plan: LaunchPlan, launch_id: str, port: int) -> list[RankSpec]:
     torch_rng = bytes(torch.random.get_rng_state().numpy()) if torch is not None and not fork else None
     python_rng = random.getstate()
     environ = dict(os.environ)
+    nproc = plan.num_processes
+    # What torchrun's agent also tells its workers, so elastic-aware code can read it.
+    elastic_vars = {
+        "TORCHELASTIC_RESTART_COUNT": str(attempt),
+        "TORCHELASTIC_MAX_RESTARTS": str(plan.max_restarts),
+        "TORCHELASTIC_RUN_ID": plan.rdzv_id if round_.num_nodes > 1 else launch_id,
+        "GROUP_WORLD_SIZE": str(round_.num_nodes),
+    }
     specs = []
-    for local_rank in range(plan.num_processes):
-        rank = plan.global_rank(local_rank)
+    for local_rank in range(nproc):
+        rank = round_.group_rank * nproc + local_rank
+        rank_environ = rank_env.rank_environment(
+            launch_id=launch_id, rank=rank, local_rank=local_rank,
+            world_size=round_.num_nodes * nproc, local_world_size=nproc,
+            group_rank=round_.group_rank, master_addr=round_.master_addr,
+            master_port=round_.master_port, mixed_precision=plan.mixed_precision,
+            accelerator=plan.accelerator, threads_per_rank=plan.threads_per_rank,
+            environ=environ,
+        )
+        rank_environ.update(elastic_vars)
         specs.append(RankSpec(
             rank=rank,
             local_rank=local_rank,
-            environ=rank_env.rank_environment(
-                launch_id=launch_id, rank=rank, local_rank=local_rank, world_size=plan.world_size,
-                local_world_size=plan.num_processes, group_rank=plan.node_rank,
-                master_addr=plan.master_addr, master_port=port,
-                mixed_precision=plan.mixed_precision, accelerator=plan.accelerator,
-                threads_per_rank=plan.threads_per_rank, environ=environ,
-            ),
+            environ=rank_environ,
             cwd=os.getcwd(),
             sys_path=list(sys.path),
             accelerator=plan.accelerator,

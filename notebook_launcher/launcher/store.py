@@ -20,6 +20,9 @@ def bind_listener(address: str, port: int | None) -> socket.socket:
     """A listening socket on ``address``: ``port`` if given, else one the OS picks."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
+    # A port whose previous store just closed lingers in TIME_WAIT; a re-run may take it.
+    # (A port some process still listens on stays refused.)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         listener.bind((address, port or 0))
         listener.listen(128)

@@ -1,0 +1,328 @@
+"""The ``notebook-launcher`` command (also ``python -m notebook_launcher``).
+
+``notebook-launcher env`` prints the hardware and versions report that the JupyterLab
+sidebar shows (``--json`` for a machine-readable copy to paste into a bug report).
+``notebook-launcher run script.py -n 4 --mixed-precision bf16 -- ARGS`` runs a script on
+N ranks through the same launcher a notebook uses: each rank runs the script as
+``__main__`` with ``sys.argv = [script.py, *ARGS]``, its output is prefixed with its rank,
+and the command exits non-zero when a rank fails.
+
+Exit codes: 0 success, 1 a rank failed or the launch timed out, 2 bad arguments (one
+line on stderr), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import runpy
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from notebook_launcher import defaults as launch_defaults
+from notebook_launcher import hardware, rules
+from notebook_launcher.errors import LaunchConfigError, LaunchError
+
+PROG = "notebook-launcher"
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+# Distributions whose versions matter when something goes wrong in a launch.
+_REPORTED_PACKAGES = (
+    "notebook-launcher",
+    "torch",
+    "torch-xla",
+    "accelerate",
+    "transformers",
+    "ray",
+    "cloudpickle",
+    "ipykernel",
+    "ipywidgets",
+    "jupyterlab",
+    "jupyter_server",
+    "numpy",
+)
+
+
+class _UsageError(Exception):
+    """Bad command-line arguments: reported on one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # argparse prints the whole usage block; one line that names --help reads better.
+        if message.startswith("unrecognized arguments"):
+            message += "; the script's own arguments go after --"
+        raise _UsageError(f"{message} (see {self.prog} --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description=(
+            "Run a PyTorch training function or script on every GPU, TPU core or a few CPU "
+            "processes of this machine, as notebook_launcher() does in a notebook."
+        ),
+        epilog=(
+            "examples:\n"
+            f"  {PROG} env                    hardware and versions, for bug reports\n"
+            f"  {PROG} env --json             the same as JSON\n"
+            f"  {PROG} run train.py -n 4 --mixed-precision bf16 -- --epochs 3\n"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(
+        dest="command", metavar="COMMAND", parser_class=_Parser, required=True
+    )
+
+    env = commands.add_parser(
+        "env",
+        help="print the hardware and versions report (what the JupyterLab sidebar shows)",
+        description="Print this machine's hardware, what a launch can use, the saved launch "
+        "defaults and the versions of the packages that matter, for bug reports.",
+    )
+    env.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    run = commands.add_parser(
+        "run",
+        help="run a Python script on N ranks with the launcher",
+        description="Run SCRIPT as __main__ on every rank, with torchrun's environment "
+        "(RANK, WORLD_SIZE, MASTER_ADDR, ...) set, each rank's output prefixed with its rank. "
+        "Arguments after -- are the script's own (its sys.argv[1:]). Exits 1 when a rank "
+        "fails, after printing that rank's traceback.",
+        usage=f"{PROG} run SCRIPT [options] [-- SCRIPT_ARGS ...]",
+    )
+    run.add_argument("script", metavar="SCRIPT", help="the Python file each rank runs")
+    run.add_argument(
+        "-n", "--num-processes", type=_positive_int, metavar="N",
+        help="ranks to start (default: one per GPU, else 2 CPU ranks)",
+    )
+    run.add_argument(
+        "--mixed-precision", choices=rules.PRECISIONS,
+        metavar="{" + ",".join(rules.PRECISIONS) + "}",
+        help="precision the training core (or accelerate) applies in each rank",
+    )
+    run.add_argument(
+        "--hardware", choices=rules.HARDWARE_CHOICES, default="auto",
+        help="where ranks run (default: auto)",
+    )
+    run.add_argument(
+        "--start-method", choices=rules.START_METHODS,
+        metavar="{" + ",".join(rules.START_METHODS) + "}",
+        help="how rank processes start (default: auto)",
+    )
+    run.add_argument(
+        "--timeout", type=_positive_float, metavar="SECONDS",
+        help="stop every rank and fail after this many seconds",
+    )
+    run.add_argument(
+        "--output", choices=rules.OUTPUT_MODES, default="all",
+        help="whose output to show: every rank, rank 0 only, or none (default: all)",
+    )
+    run.add_argument(
+        "--port", type=int, metavar="PORT", help="rendezvous port (default: a free one)"
+    )
+    run.add_argument(
+        "--max-restarts", type=_whole, default=0, metavar="N",
+        help="after a rank fails, restart every rank up to N times (default: 0)",
+    )
+    run.add_argument(
+        "--backend", choices=rules.BACKENDS, default="auto",
+        help="what starts the ranks: local processes, or Ray actors (default: auto)",
+    )
+    run.add_argument("--ray-address", metavar="ADDRESS", help="with --backend ray: the cluster")
+    nodes = run.add_argument_group(
+        "several machines", "run the same command on each machine, as with torchrun"
+    )
+    nodes.add_argument("--num-nodes", type=_positive_int, default=1, metavar="N")
+    nodes.add_argument("--node-rank", type=_whole, default=0, metavar="RANK")
+    nodes.add_argument("--rdzv-backend", choices=("static", "c10d"), default="static")
+    nodes.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT")
+    nodes.add_argument("--rdzv-id", default="none", metavar="ID")
+    nodes.add_argument(
+        "--master-addr", default="127.0.0.1", metavar="ADDRESS",
+        help="address the store listens on (default: 127.0.0.1)",
+    )
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _whole(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    words = list(sys.argv[1:] if argv is None else argv)
+    ours, script_args = _split_script_args(words)
+    try:
+        arguments = parser.parse_args(ours)
+        arguments.script_args = script_args
+        if arguments.command == "env":
+            return _env(as_json=arguments.json)
+        return _run(arguments)
+    except _UsageError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Everything after the first ``--`` belongs to the script, even words like our options."""
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1 :]
+
+
+# env ---------------------------------------------------------------------------------
+
+
+def environment_report() -> dict[str, Any]:
+    """The hardware report with what a launch may use (as the sidebar gets it) and versions."""
+    report = hardware.detect()
+    saved = launch_defaults.load_defaults()
+    return {
+        "hardware": report.to_dict(),
+        "choices": launch_defaults.choices(report),
+        "defaults": {
+            "path": str(launch_defaults.defaults_path()),
+            "saved": saved.to_dict(),
+            "description": launch_defaults.describe_launch(saved, report),
+        },
+        "system": {
+            "python": sys.version.split()[0],
+            "executable": sys.executable,
+            "platform": platform.platform(),
+        },
+        "versions": {name: _version(name) for name in _REPORTED_PACKAGES},
+    }
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _env(as_json: bool) -> int:
+    data = environment_report()
+    if as_json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        print(format_report(data))
+    return 0
+
+
+def format_report(data: dict[str, Any]) -> str:
+    hw = data["hardware"]
+    lines = [f"{PROG} environment", ""]
+    lines.append(f"platform        {hw['platform']} ({data['system']['platform']})")
+    lines.append(f"python          {data['system']['python']} ({data['system']['executable']})")
+    lines.append(f"CPU cores       {hw['cpu_count']} available to this process")
+    if hw["gpus"]:
+        lines.append(f"GPUs            {len(hw['gpus'])} (driver {hw['driver_version']})")
+        for gpu in hw["gpus"]:
+            lines.append(
+                f"  cuda:{gpu['index']}         {gpu['name']}, {gpu['memory_mib']} MiB, "
+                f"compute capability {gpu['compute_capability'] or 'unknown'}"
+            )
+    else:
+        lines.append("GPUs            none found (nvidia-smi)")
+    lines.append(f"TPU cores       {hw['tpu_cores']}")
+    lines.append(f"MPS             {'available' if hw['mps_available'] else 'no'}")
+    lines.append(
+        f"launches        {hw['default_num_processes']} x {hw['accelerator']} rank(s) by default"
+    )
+    for precision, reason in hw["precisions"].items():
+        lines.append(f"  {precision:<6}        {'yes' if reason is None else 'no: ' + reason}")
+    defaults = data["defaults"]
+    lines.append(f"saved defaults  {defaults['description']} ({defaults['path']})")
+    lines.append("")
+    lines.append("versions")
+    for name, version in data["versions"].items():
+        lines.append(f"  {name:<18}{version or 'not installed'}")
+    return "\n".join(lines)
+
+
+# run ---------------------------------------------------------------------------------
+
+
+def run_script(path: str, argv: list[str]) -> None:
+    """What each rank runs: the script as ``__main__``, as ``python SCRIPT ARGS`` would."""
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    runpy.run_path(path, run_name="__main__")
+
+
+def _run(arguments: argparse.Namespace) -> int:
+    from notebook_launcher.launcher.api import notebook_launcher
+
+    script = arguments.script
+    if not os.path.isfile(script):
+        raise _UsageError(f"the script {script!r} does not exist or is not a file")
+    script_args = list(arguments.script_args)
+    try:
+        notebook_launcher(
+            run_script,
+            (os.path.abspath(script), script_args),
+            num_processes=arguments.num_processes,
+            mixed_precision=arguments.mixed_precision,
+            use_port=arguments.port,
+            hardware=arguments.hardware,
+            start_method=arguments.start_method,
+            timeout=arguments.timeout,
+            output=arguments.output,
+            max_restarts=arguments.max_restarts,
+            backend=arguments.backend,
+            ray_address=arguments.ray_address,
+            num_nodes=arguments.num_nodes,
+            node_rank=arguments.node_rank,
+            rdzv_backend=arguments.rdzv_backend,
+            rdzv_endpoint=arguments.rdzv_endpoint,
+            rdzv_id=arguments.rdzv_id,
+            master_addr=arguments.master_addr,
+        )
+    except LaunchConfigError as error:
+        raise _UsageError(_one_line(str(error))) from error
+    except LaunchError as error:
+        sys.stdout.flush()
+        print(f"{PROG}: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; every rank was stopped.", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())

@@ -1,0 +1,351 @@
+"""Ranks as Ray actors: Ray places them (one GPU each where there are GPUs), torch.distributed
+connects them through the store this kernel hosts.
+
+Each rank is one actor. The actor forks the rank process itself (``run_rank``, exactly as
+a local rank runs), so the rank keeps every promise of a local one: its own process
+group, fds 1 and 2 caught at descriptor level (Ray's own log capture never sees them),
+death with its parent. Threads in the actor read the rank's pipes and hand the bytes over
+in order when the kernel asks (``read``); in the kernel one feeder thread per rank writes
+them into the pipes the rank group reads, so output arrives whole-line-safe and nothing
+is lost or reordered. Stopping a rank signals it through its actor; SIGKILL kills the
+actor (and so the rank). The cluster is the one ``ray_address`` (or ``RAY_ADDRESS``)
+names, or a local one started for the launch and shut down after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import queue
+import selectors
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+from notebook_launcher.errors import LaunchError, LaunchUnsupportedError
+from notebook_launcher.launcher.backends.base import (
+    Backend,
+    Ended,
+    RankControl,
+    RankEnds,
+    RankTarget,
+)
+from notebook_launcher.launcher.pickling import dump_payload
+
+if TYPE_CHECKING:
+    from notebook_launcher.launcher.plan import LaunchPlan
+    from notebook_launcher.launcher.rank import RankSpec
+
+_READ_WAIT_S = 0.2  # how long one ``read`` call waits for output in the actor
+_PLACE_TIMEOUT_S = 120.0  # Ray could not place the actors (too few CPUs / GPUs free)
+_CHUNK = 1 << 16
+
+
+class RayClusterError(LaunchError):
+    """The Ray cluster could not be reached, or could not place the ranks."""
+
+
+class RankHost:
+    """The actor: forks one rank, relays its output and messages, forwards signals."""
+
+    def __init__(self) -> None:
+        self._items: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._process: Any = None
+
+    def start(self, spec: RankSpec, payload: Any, target: RankTarget) -> int:
+        import multiprocessing
+
+        environ = dict(spec.environ)
+        if spec.accelerator == "cuda":
+            # Ray gives this actor one GPU (CUDA_VISIBLE_DEVICES): the rank sees it as cuda:0.
+            environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+            environ["LOCAL_RANK"], environ["LOCAL_WORLD_SIZE"] = "0", "1"
+            spec = dataclasses.replace(spec, environ=environ, local_rank=0)
+        else:
+            spec = dataclasses.replace(spec, environ=environ)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        channel_r, channel_w = multiprocessing.Pipe(duplex=False)
+        ends = RankEnds(Connection(out_w, readable=False), Connection(err_w, readable=False), channel_w)
+        self._process = multiprocessing.get_context("fork").Process(
+            target=target, args=(spec, payload, ends), name=f"notebook_launcher-rank{spec.rank}"
+        )
+        self._process.start()
+        ends.close()
+        threading.Thread(
+            target=self._relay, args=(out_r, err_r, channel_r), daemon=True
+        ).start()
+        return int(self._process.pid)
+
+    def _relay(self, out_r: int, err_r: int, channel: Connection) -> None:
+        """Everything the rank writes, in arrival order, then how it ended."""
+        with selectors.DefaultSelector() as selector:
+            selector.register(out_r, selectors.EVENT_READ, "stdout")
+            selector.register(err_r, selectors.EVENT_READ, "stderr")
+            selector.register(channel.fileno(), selectors.EVENT_READ, "channel")
+            while selector.get_map():
+                for key, _ in selector.select():
+                    kind = key.data
+                    if kind == "channel":
+                        try:
+                            self._items.put(("channel", channel.recv_bytes()))
+                        except (EOFError, OSError):
+                            selector.unregister(key.fd)
+                        continue
+                    data = os.read(key.fd, _CHUNK)
+                    if data:
+                        self._items.put((kind, data))
+                    else:
+                        selector.unregister(key.fd)
+                        os.close(key.fd)
+        channel.close()
+        self._process.join()
+        self._items.put(("exit", self._process.exitcode))
+
+    def read(self, wait_s: float) -> list[tuple[str, Any]]:
+        items = []
+        try:
+            items.append(self._items.get(timeout=wait_s))
+            while True:
+                items.append(self._items.get_nowait())
+        except queue.Empty:
+            pass
+        return items
+
+    def signal(self, signum: int) -> None:
+        if self._process is None or self._process.exitcode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._process.pid, signum)
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(self._process.pid, signum)
+
+
+class ActorControl(RankControl):
+    """One rank seen from the kernel: its actor, and the thread feeding its pipes."""
+
+    def __init__(self, ray: Any, actor: Any, ends: RankEnds) -> None:
+        self._ray = ray
+        self._actor = actor
+        # The rank group closes its copies of the ends once start() returns.
+        self._out = os.dup(ends.stdout.fileno())
+        self._err = os.dup(ends.stderr.fileno())
+        self._channel = Connection(os.dup(ends.channel.fileno()), readable=False)
+        self._ended: Ended | None = None
+        self._done = threading.Event()
+        self._feeder = threading.Thread(target=self._feed, daemon=True, name="notebook_launcher-ray-feed")
+
+    def begin(self) -> None:
+        self._feeder.start()
+
+    def _feed(self) -> None:
+        code: int | None = None
+        try:
+            while True:
+                items = self._ray.get(self._actor.read.remote(_READ_WAIT_S))
+                for kind, data in items:
+                    if kind == "stdout":
+                        _write_all(self._out, data)
+                    elif kind == "stderr":
+                        _write_all(self._err, data)
+                    elif kind == "channel":
+                        self._channel.send_bytes(data)
+                    elif kind == "exit":
+                        code = data
+                        return
+        except Exception:  # the actor was killed (or its node lost): the rank died with it
+            code = -signal.SIGKILL
+        finally:
+            self._close_ends()
+            self._ended = Ended(code)
+            self._done.set()
+
+    def _close_ends(self) -> None:
+        for fd in (self._out, self._err):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._out = self._err = -1
+        if not self._channel.closed:
+            self._channel.close()
+
+    def poll(self) -> Ended | None:
+        return self._ended
+
+    def signal(self, signum: int) -> None:
+        if self._done.is_set():
+            return
+        if signum == signal.SIGKILL:
+            self.kill()
+        else:
+            with contextlib.suppress(Exception):
+                self._actor.signal.remote(signum)
+
+    def kill(self) -> None:
+        with contextlib.suppress(Exception):
+            self._ray.kill(self._actor, no_restart=True)
+
+    def wait(self, timeout: float) -> Ended | None:
+        self._done.wait(max(0.0, timeout))
+        return self._ended
+
+    def release(self) -> None:
+        self.kill()
+        if self._feeder.ident is None:  # never started: start() failed before begin()
+            self._close_ends()
+            self._ended = self._ended or Ended(None)
+            self._done.set()
+            return
+        self._feeder.join(timeout=10)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            written = os.write(fd, view)
+        except BlockingIOError:
+            time.sleep(0.01)
+            continue
+        view = view[written:]
+
+
+class RayBackend(Backend):
+    name = "ray"
+    accelerators = ("cpu", "cuda")
+
+    def __init__(self) -> None:
+        self._started_cluster = False
+        self._controls: list[ActorControl] = []
+
+    def check(self, plan: LaunchPlan) -> None:
+        if plan.num_nodes != 1 or plan.rdzv_endpoint:
+            raise LaunchUnsupportedError(
+                f"backend='ray' with num_nodes={plan.num_nodes}: Ray places the ranks on its "
+                "cluster's machines itself. Leave num_nodes, node_rank and rdzv_* at their "
+                "defaults, and give num_processes the total number of ranks."
+            )
+
+    def prepare_payload(self, plan: LaunchPlan, payload: tuple[Any, ...]) -> Any:
+        function, args, kwargs = payload
+        return dump_payload(function, args, kwargs)  # actors are fresh interpreters
+
+    def start(
+        self,
+        plan: LaunchPlan,
+        specs: Sequence[RankSpec],
+        ends: Sequence[RankEnds],
+        payload: Any,
+        target: RankTarget,
+    ) -> list[RankControl]:
+        ray = _connect(plan)
+        self._started_cluster = _started_here
+        actor_class = ray.remote(RankHost).options(
+            num_cpus=1,
+            num_gpus=1 if plan.accelerator == "cuda" else 0,
+            max_concurrency=4,  # read() waits while signal() must still get through
+            max_restarts=0,
+        )
+        controls: list[ActorControl] = []
+        try:
+            for rank_ends in ends:
+                controls.append(ActorControl(ray, actor_class.remote(), rank_ends))
+            self._controls = controls
+            started = [
+                control._actor.start.remote(spec, payload, target)
+                for control, spec in zip(controls, specs)
+            ]
+            ready, pending = ray.wait(started, num_returns=len(started), timeout=_PLACE_TIMEOUT_S)
+            if pending:
+                free = ray.available_resources()
+                raise RayClusterError(
+                    f"Ray could not place {len(pending)} of {len(specs)} ranks within "
+                    f"{_PLACE_TIMEOUT_S:g}s: each needs 1 CPU"
+                    + (" and 1 GPU" if plan.accelerator == "cuda" else "")
+                    + f", and the cluster has {free.get('CPU', 0):g} CPU(s) and "
+                    f"{free.get('GPU', 0):g} GPU(s) free. Ask for fewer ranks, or add machines "
+                    "to the cluster."
+                )
+            ray.get(ready)  # a rank that could not even start raises here
+            for control in controls:
+                control.begin()  # the rank's pid arrives with its Hello (it may be remote)
+        except BaseException:
+            for control in controls:
+                control.release()
+            self._controls = []
+            raise
+        return list(controls)
+
+    def close(self) -> None:
+        for control in self._controls:
+            control.release()
+        self._controls = []
+        if self._started_cluster:
+            _shutdown()
+            self._started_cluster = False
+
+
+_started_here = False
+
+
+def _connect(plan: LaunchPlan) -> Any:
+    """Ray, initialised: to ``ray_address`` / RAY_ADDRESS, else a local cluster we start."""
+    global _started_here
+    try:
+        import ray
+    except ModuleNotFoundError as error:
+        raise LaunchUnsupportedError(
+            "backend='ray' needs the package 'ray', which is not installed: "
+            "pip install 'notebook-launcher[ray]'."
+        ) from error
+    if ray.is_initialized():
+        return ray
+    address = getattr(plan, "ray_address", None) or os.environ.get("RAY_ADDRESS")
+    # Ray otherwise forwards every worker's output to this kernel, unprefixed; ranks'
+    # output reaches the cell through the launcher instead.
+    options: dict[str, Any] = {
+        "log_to_driver": False,
+        "include_dashboard": False,
+        "logging_level": logging.WARNING,
+    }
+    try:
+        if address:
+            ray.init(address=address, **options)
+            _started_here = False
+        else:
+            from notebook_launcher.hardware import available_cpu_count
+
+            ray.init(
+                num_cpus=max(available_cpu_count(), plan.num_processes),
+                _node_ip_address=plan.master_addr if _is_loopback(plan.master_addr) else None,
+                **options,
+            )
+            _started_here = True
+    except Exception as error:
+        where = f"the Ray cluster at {address!r}" if address else "a local Ray cluster"
+        raise RayClusterError(
+            f"could not connect to {where}: {error}. Check ray_address (or RAY_ADDRESS), or "
+            "leave both unset to start a local cluster for the launch."
+        ) from error
+    return ray
+
+
+def _shutdown() -> None:
+    global _started_here
+    import ray
+
+    with contextlib.suppress(Exception):
+        ray.shutdown()
+    _started_here = False
+
+
+def _is_loopback(address: str) -> bool:
+    return address in ("localhost", "::1") or address.startswith("127.")
+
+
+BACKEND = RayBackend()

@@ -1,0 +1,274 @@
+"""backend="ray": ranks as Ray actors on a local cluster, kept on loopback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from notebook_launcher import LaunchConfigError, RankFailedError, notebook_launcher  # noqa: E402
+from notebook_launcher.errors import LaunchUnsupportedError  # noqa: E402
+from notebook_launcher.launcher.events import OutputLine  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo"}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ray_processes() -> list[psutil.Process]:
+    """Ray's own processes (raylet, GCS, workers) started under this test process."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if any("ray" in part for part in child.cmdline()[:3]):
+                found.append(child)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One local cluster for the module (2 CPUs, loopback); the launcher joins it."""
+    saved = {name: os.environ.get(name) for name in RAY_ENV}
+    os.environ.update(RAY_ENV)
+    temp_dir = tempfile.mkdtemp(prefix="nlray")  # Ray's socket paths must stay under 107 bytes
+    ray.init(
+        num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+        _temp_dir=temp_dir,
+    )
+    yield ray
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    deadline = time.monotonic() + 30
+    while ray_processes() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray_processes() == []
+
+
+def alive_actors() -> list[str]:
+    from ray._private import state
+
+    return [a["ActorID"] for a in state.actors().values() if a["State"] != "DEAD"]
+
+
+@pytest.fixture
+def no_actor_left(cluster):
+    yield
+    deadline = time.monotonic() + 30
+    while alive_actors() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive_actors() == []
+    assert not [t for t in threading.enumerate() if t.name == "notebook_launcher-ray-feed"]
+
+
+def all_reduce_and_talk(scale):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(total)
+    print(f"rank {dist.get_rank()} of {dist.get_world_size()} on stdout")
+    print(f"rank {dist.get_rank()} on stderr", file=sys.stderr)
+    os.system(f"echo rank {dist.get_rank()} from a child process")  # fd-level output
+    return dist.get_rank(), total.item() * scale
+
+
+def test_ray_ranks_return_values_and_stream_their_output(capfd, no_actor_left):
+    values = notebook_launcher(all_reduce_and_talk, (10,), num_processes=2, backend="ray", return_all=True)
+    assert values == [(0, 30.0), (1, 30.0)]
+    assert notebook_launcher(all_reduce_and_talk, (1,), num_processes=2, backend="ray") == (0, 3.0)
+    out, err = capfd.readouterr()
+    for rank in (0, 1):
+        assert out.count(f"[rank{rank}]: rank {rank} of 2 on stdout\n") == 2
+        assert out.count(f"[rank{rank}]: rank {rank} from a child process\n") == 2
+        assert err.count(f"[rank{rank}]: rank {rank} on stderr\n") == 2
+
+
+def test_many_lines_arrive_whole_and_in_order(capfd, no_actor_left):
+    def chatty():
+        rank = os.environ["RANK"]
+        for i in range(2000):
+            print(f"line {i} of rank {rank} " + "x" * 50)
+
+    notebook_launcher(chatty, num_processes=2, backend="ray")
+    out = capfd.readouterr().out
+    for rank in (0, 1):
+        lines = [line for line in out.splitlines() if line.startswith(f"[rank{rank}]: ")]
+        assert lines == [f"[rank{rank}]: line {i} of rank {rank} " + "x" * 50 for i in range(2000)]
+
+
+def fails_on_rank_1():
+    if os.environ["RANK"] == "1":
+        raise KeyError("no such column: 'label'")
+    time.sleep(120)
+
+
+def test_a_failing_ray_rank_is_named_with_its_traceback_and_type(no_actor_left):
+    with pytest.raises(KeyError) as caught:
+        notebook_launcher(fails_on_rank_1, num_processes=2, backend="ray", output="none")
+    error = caught.value
+    assert isinstance(error, RankFailedError)
+    assert str(error).startswith("Rank 1 (pid ")
+    assert "raised KeyError: \"no such column: 'label'\". The other ranks were stopped." in str(error)
+    assert "Traceback from rank 1:" in str(error)
+    assert 'in fails_on_rank_1\n    raise KeyError("no such column: \'label\'")' in str(error)
+    assert [f.rank for f in error.failures] == [1]  # rank 0 was stopped: it did not fail
+
+
+class InterruptWhenBothStarted:
+    """Presses the stop button (SIGINT to the calling thread) once both ranks run."""
+
+    def __init__(self) -> None:
+        self.started: set[int] = set()
+        self.main = threading.get_ident()
+
+    def on_event(self, event):
+        if isinstance(event, OutputLine) and event.text == "started":
+            self.started.add(event.rank)
+            if self.started == {0, 1}:
+                signal.pthread_kill(self.main, signal.SIGINT)
+
+
+def print_then_sleep():
+    print("started", flush=True)
+    time.sleep(120)
+
+
+def test_an_interrupt_stops_every_ray_rank(no_actor_left):
+    with pytest.raises(KeyboardInterrupt):
+        notebook_launcher(print_then_sleep, num_processes=2, backend="ray",
+                          observers=[InterruptWhenBothStarted()])
+
+
+def test_more_ranks_than_the_cluster_can_place_is_an_error_not_a_hang(monkeypatch, no_actor_left):
+    from notebook_launcher.launcher.backends import ray as ray_backend
+
+    monkeypatch.setattr(ray_backend, "_PLACE_TIMEOUT_S", 3.0)
+    with pytest.raises(
+        ray_backend.RayClusterError,
+        match=r"Ray could not place 1 of 3 ranks within 3s: each needs 1 CPU, and the cluster "
+        r"has 0 CPU\(s\) and 0 GPU\(s\) free\. Ask for fewer ranks",
+    ):
+        notebook_launcher(print, num_processes=3, backend="ray")
+
+
+def test_ray_refuses_multi_node_arguments_and_a_stray_address(cluster):
+    with pytest.raises(LaunchUnsupportedError, match=r"backend='ray' with num_nodes=2: Ray places"):
+        notebook_launcher(print, num_processes=1, num_nodes=2, backend="ray")
+    with pytest.raises(LaunchConfigError, match=r"ray_address='auto' is only used with backend='ray'"):
+        notebook_launcher(print, ray_address="auto")
+
+
+def test_a_local_cluster_started_for_the_launch_is_shut_down(tmp_path):
+    """Without a cluster, the launcher starts one on loopback and leaves nothing behind."""
+    script = tmp_path / "launch.py"
+    script.write_text(textwrap.dedent("""
+        import os, psutil
+        from notebook_launcher import notebook_launcher
+
+        def rank():
+            return int(os.environ["RANK"])
+
+        print("VALUES", notebook_launcher(rank, num_processes=2, backend="ray", return_all=True))
+        import ray
+        print("INITIALIZED", ray.is_initialized())
+        left = [p.cmdline()[:2] for p in psutil.Process().children(recursive=True)]
+        print("LEFT", left)
+    """))
+    short = tempfile.mkdtemp(prefix="nlray")  # Ray's socket paths must stay under 107 bytes
+    env = {**os.environ, **RAY_ENV, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": short}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+    shutil.rmtree(short, ignore_errors=True)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "VALUES [0, 1]" in lines
+    assert "INITIALIZED False" in lines
+    assert "LEFT []" in lines
+
+
+@pytest.mark.kernel
+def test_ray_ranks_output_and_failure_show_in_the_notebook_cell():
+    from .kernel_driver import RunningKernel
+
+    temp_dir = tempfile.mkdtemp(prefix="nlray")  # Ray's socket paths must stay under 107 bytes
+    kernel = RunningKernel()
+    try:
+        setup = kernel.run(
+            f"""
+            import os
+            os.environ.update({RAY_ENV!r})
+            os.environ["RAY_TMPDIR"] = {temp_dir!r}
+            from notebook_launcher import notebook_launcher
+
+            def greet():
+                print("hello from rank", os.environ["RANK"])
+                if os.environ["RANK"] == "1":
+                    raise ValueError("rank 1 is unhappy")
+            """
+        )
+        assert setup.error is None, setup.error
+        cell = kernel.run("notebook_launcher(greet, num_processes=2, backend='ray')", timeout=300)
+        left = kernel.run("import ray; ray.is_initialized()")
+    finally:
+        kernel.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert "[rank0]: hello from rank 0\n" in cell.stdout
+    assert "[rank1]: hello from rank 1\n" in cell.stdout
+    assert cell.error is not None and cell.error["ename"] == "RankFailedError[ValueError]"
+    assert "raised ValueError: rank 1 is unhappy" in cell.error["evalue"]
+    assert left.result == "False"  # the cluster started for the launch was shut down
+
+
+def test_a_local_rank_crash_is_still_reported_after_ray_ran_in_the_kernel(tmp_path):
+    """Ray leaves its own SIGSEGV handler in the kernel; forked ranks must replace it."""
+    script = tmp_path / "crash.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys, time
+        import ray
+
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
+                 _node_ip_address="127.0.0.1", _temp_dir=sys.argv[1])
+        ray.shutdown()
+        from notebook_launcher import notebook_launcher
+
+        def crash():
+            if os.environ["RANK"] == "1":
+                os.kill(os.getpid(), signal.SIGSEGV)
+            time.sleep(60)
+
+        try:
+            notebook_launcher(crash, num_processes=2, start_method="fork", output="none")
+        except Exception as error:
+            print("REPORT", "Fatal Python error: Segmentation fault" in str(error))
+    """))
+    short = tempfile.mkdtemp(prefix="nlray")
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script), short], capture_output=True, text=True, timeout=300,
+            env={**os.environ, **RAY_ENV, "PYTHONPATH": str(ROOT)}, cwd=tmp_path,
+        )
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+    assert "REPORT True" in done.stdout.splitlines(), done.stdout + done.stderr
