@@ -19,8 +19,8 @@ from notebook_launcher.server import (  # noqa: F401  (Jupyter finds its extensi
     _jupyter_labextension_paths,
     _jupyter_server_extension_points,
 )
-from notebook_launcher.widgets import configure
 from notebook_launcher.session import Session
+from notebook_launcher.widgets import configure
 
 try:
     __version__ = importlib.metadata.version("notebook-launcher")
