@@ -18,6 +18,7 @@ API_TS = Path(__file__).resolve().parent.parent / "extension" / "src" / "api.ts"
 # TypeScript interface -> the TypedDict in notebook_launcher/server/handlers.py it mirrors.
 MIRRORS = {
     "IGpuInfo": handlers.GpuInfoJSON,
+    "ITpuInfo": handlers.TpuInfoJSON,
     "IHardwareReport": handlers.HardwareReportJSON,
     "INumProcessesChoice": handlers.NumProcessesChoice,
     "IChoices": handlers.ChoicesJSON,

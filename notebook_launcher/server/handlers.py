@@ -35,6 +35,18 @@ class GpuInfoJSON(TypedDict):
     compute_capability: str
 
 
+class TpuInfoJSON(TypedDict):  # notebook_launcher.tpu.TpuInfo
+    generation: str
+    accelerator_type: str
+    chips: int
+    cores_per_chip: int
+    processes: int
+    hosts: int
+    pjrt_device: str
+    libtpu_version: str | None
+    evidence: list[str]
+
+
 class HardwareReportJSON(TypedDict):  # HardwareReport.to_dict()
     cpu_count: int
     gpus: list[GpuInfoJSON]
@@ -45,6 +57,8 @@ class HardwareReportJSON(TypedDict):  # HardwareReport.to_dict()
     python_version: str
     torch_version: str | None
     torch_xla_version: str | None
+    tpu: TpuInfoJSON | None
+    tpu_summary: str | None
     accelerator: str
     default_num_processes: int
     max_num_processes: int
