@@ -111,8 +111,13 @@ def test_an_example_notebook_runs_in_the_binder_env(
         cwd=notebook.parent,
     )  # fmt: skip
     ran = nbformat.read(executed, as_version=4)
+    # A cell tagged "raises-exception" shows a failing rank on purpose; no other cell may fail.
     errors = [
-        o for c in ran.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"
+        o
+        for c in ran.cells
+        if c.cell_type == "code" and "raises-exception" not in c.metadata.get("tags", [])
+        for o in c.outputs
+        if o.output_type == "error"
     ]
     assert errors == []
     if notebook.name == "00_sidebar_tour.ipynb":
