@@ -99,7 +99,9 @@ class RankFailedError(LaunchError):
     remote_type: ClassVar[type[BaseException] | None] = None
 
     def __init__(self, message: str, failures: list[RankFailure]) -> None:
-        super().__init__(message)
+        # Not super(): where the rank's own type also derives from LaunchError, the next
+        # class in the order is torch's ChildFailedError, whose __init__ takes other arguments.
+        Exception.__init__(self, message)
         self.message = message
         self.failures = failures
 
