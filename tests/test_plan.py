@@ -12,9 +12,7 @@ import pytest
 from notebook_launcher import defaults as d
 from notebook_launcher.errors import (
     LaunchConfigError,
-    LaunchError,
     LaunchTypeError,
-    LaunchUnsupportedError,
 )
 from notebook_launcher.hardware import GpuInfo, HardwareReport
 from notebook_launcher.launcher.plan import LaunchCall, resolve_plan
@@ -118,18 +116,6 @@ def test_choices_are_spelled_as_the_server_accepts_them() -> None:
     assert (plan.mixed_precision, plan.start.method, plan.output, plan.accelerator) == ("bf16", "spawn", "main", "cpu")
 
 
-@pytest.mark.parametrize(
-    ("argument", "value"),
-    [("num_nodes", 2), ("node_rank", 1), ("rdzv_backend", "c10d"), ("rdzv_endpoint", "h:1"),
-     ("rdzv_id", "job"), ("max_restarts", 1), ("rdzv_conf", {"timeout": 5})],
-)
-def test_scale_out_values_are_refused_as_unsupported_options(argument: str, value: object) -> None:
-    with pytest.raises(LaunchUnsupportedError) as caught:
-        resolve(**{argument: value})
-    assert isinstance(caught.value, LaunchError) and isinstance(caught.value, LaunchConfigError)
-    assert "this installation of notebook_launcher launches on one machine only" in str(caught.value)
-
-
 def test_auto_takes_the_forkserver_when_a_library_loaded_the_cuda_driver() -> None:
     maps = "7f0 r-xp 0 08:01 42 /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15\n"
     kernel = KernelState.detect(platform="linux", available=["fork", "spawn", "forkserver"], read_maps=lambda: maps)
@@ -145,7 +131,7 @@ def test_no_message_ends_a_sentence_twice() -> None:
     bad_calls = [
         {"num_processes": 0}, {"num_processes": 10**6}, {"mixed_precision": "fp8"},
         {"timeout": -1}, {"timeout": "10"}, {"use_port": "http"}, {"output": "loud"},
-        {"hardware": "gpu"}, {"start_method": "thread"}, {"num_nodes": 2}, {"backend": "x"},
+        {"hardware": "gpu"}, {"start_method": "thread"}, {"num_nodes": 0}, {"max_restarts": -1}, {"backend": "x"},
     ]
     for call in bad_calls:
         with pytest.raises(LaunchConfigError) as caught:
