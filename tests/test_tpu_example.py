@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from .test_examples import execute
+from .test_examples import execute, streams
 
 pytestmark = pytest.mark.kernel
 
 
 def test_the_kaggle_tpu_example_runs_on_cpu_and_says_what_a_tpu_would_do():
-    outputs = "\n".join(execute("04_kaggle_tpu.ipynb"))
+    outputs = "\n".join(streams(execute("04_kaggle_tpu.ipynb")))
     assert "no TPU on this machine; Kaggle's TPU v5e-8 would show:" in outputs
     assert "a launch here starts 2 rank(s) on CPU" in outputs
     assert "fp16 on a TPU: fp16 is not supported on TPU; use bf16" in outputs
