@@ -6,9 +6,7 @@ import pytest
 
 from notebook_launcher import notebook_launcher
 from notebook_launcher.errors import LaunchConfigError
-from notebook_launcher.widgets import dashboard_observer
-from notebook_launcher.widgets.frontend import choose_view, shell_kind
-from notebook_launcher.widgets.text import TextDashboard
+from notebook_launcher.widgets.frontend import choose_view
 
 
 @pytest.mark.parametrize(
@@ -40,9 +38,20 @@ def test_asking_for_widgets_without_ipywidgets_in_a_notebook_says_how_to_get_the
 
 
 def test_a_plain_interpreter_gets_the_text_dashboard():
-    assert shell_kind() == "none"
-    assert isinstance(dashboard_observer("auto"), TextDashboard)
-    assert dashboard_observer(False) is None
+    # In a fresh interpreter: other tests in this process may have made an IPython shell.
+    import subprocess
+    import sys
+
+    code = (
+        "from notebook_launcher.widgets import dashboard_observer\n"
+        "from notebook_launcher.widgets.frontend import shell_kind\n"
+        "from notebook_launcher.widgets.text import TextDashboard\n"
+        "assert shell_kind() == 'none', shell_kind()\n"
+        "assert isinstance(dashboard_observer('auto'), TextDashboard)\n"
+        "assert dashboard_observer(False) is None\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def test_the_launcher_refuses_a_wrong_dashboard_before_starting_ranks():
