@@ -20,7 +20,7 @@ import os
 import platform
 import runpy
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from notebook_launcher import defaults as launch_defaults
@@ -150,34 +150,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _number_type(
+    convert: Callable[[str], Any], expected: str, bound: str, allowed: Callable[[Any], bool]
+) -> Callable[[str], Any]:
+    """An argparse ``type=`` that converts a value and refuses it outside ``bound``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not allowed(value):
+            shown = value if convert is int else text
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {shown}")
+        return value
+
+    return parse
 
 
-def _whole(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
-    return value
+_positive_int = _number_type(int, "a whole number", "at least 1", lambda v: v >= 1)
+_whole = _number_type(int, "a whole number", "at least 0", lambda v: v >= 0)
+_positive_float = _number_type(float, "a number of seconds", "more than 0", lambda v: v > 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
