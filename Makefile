@@ -59,7 +59,7 @@ test-xla: $(XLA_VENV)/.installed
 # Python (ruff, mypy) and the extension's TypeScript (eslint, prettier), as JupyterLab
 # extensions lint it; jlpm comes with the test dependencies (jupyterlab).
 lint: setup docs
-	$(BIN)/ruff check notebook_launcher tests benchmarks examples
+	$(BIN)/ruff check notebook_launcher tests benchmarks examples docs/hooks
 	$(BIN)/mypy
 	cd extension && PATH="$(CURDIR)/$(BIN):$$PATH" jlpm install && PATH="$(CURDIR)/$(BIN):$$PATH" jlpm lint:check
 
