@@ -5,8 +5,8 @@ interpreter, its functions in ``__main__`` as in a notebook), in an empty folder
 Jupyter's config, data and runtime folders of its own, so that no example reads or writes
 the user's saved defaults.
 
-A block followed directly by a ```text title="Output" block must print that text; a line
-``...`` or ``...`` inside a line stands for any text (pids, ports, paths).
+A block followed directly by a ```text title="Output" block must print that text to stdout,
+where ``...`` stands for any text (a pid, a port, a path), within a line or across lines.
 
 A block that cannot run on a CPU-only machine carries a marker on the line right before
 its fence, which says why::
