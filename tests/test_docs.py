@@ -3,7 +3,7 @@
 Every ```python block of README.md and docs/*.md runs as a script of its own (a fresh
 interpreter, its functions in ``__main__`` as in a notebook), in an empty folder with
 Jupyter's config, data and runtime folders of its own, so that no example reads or writes
-the user's saved defaults.
+the user's saved defaults, and with GPUs hidden, so that it runs on CPU ranks everywhere.
 
 A block followed directly by a ```text title="Output" block must print that text to stdout,
 where ``...`` stands for any text (a pid, a port, a path), within a line or across lines.
@@ -123,6 +123,9 @@ def run_block(block: Block, tmp_path: Path) -> subprocess.CompletedProcess[str]:
         folder.mkdir()
         env[name] = str(folder)
     env.pop("JUPYTER_PATH", None)
+    # The pages show what a machine without a GPU prints (2 CPU ranks); hiding the GPUs of
+    # a GPU machine keeps that true there (the hardware report honours this variable).
+    env["CUDA_VISIBLE_DEVICES"] = ""
     env["PYTHONUNBUFFERED"] = "1"
     return subprocess.run(
         [sys.executable, str(script)],
