@@ -20,32 +20,14 @@ from notebook_launcher import (
 )
 from notebook_launcher.errors import LaunchUnsupportedError
 
-from .tpu_support import FAKE_XLA, MACHINES, launch_environ
-
-
-def _forget_fake_xla() -> None:
-    for name in [m for m in sys.modules if m == "torch_xla" or m.startswith("torch_xla.")]:
-        del sys.modules[name]
-    core = sys.modules.get("notebook_launcher.accelerator.xla")
-    if core is not None:
-        core.started_outside_launch = None
-        core._state.active = False
+from .tpu_support import faked_tpu
 
 
 @pytest.fixture
 def tpu_machine(request, monkeypatch):
     """A faked TPU runtime (indirect parameter: its name), with the fake torch_xla installed."""
-    name, *installed = request.param.split("+")
-    machine = MACHINES[name]
-    for key, value in launch_environ(machine).items():
-        monkeypatch.setenv(key, value)
-    if installed != ["no-torch-xla"]:
-        monkeypatch.syspath_prepend(FAKE_XLA)
-    hardware.detect(refresh=True)
-    yield machine
-    monkeypatch.undo()
-    _forget_fake_xla()
-    hardware.detect(refresh=True)
+    with faked_tpu(monkeypatch, request.param) as machine:
+        yield machine
 
 
 def where_am_i(tag):
