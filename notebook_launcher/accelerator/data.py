@@ -161,7 +161,7 @@ class DataLoaderShard(DataLoader):
             # One batch of look-ahead tells which batch is the last, before it is used,
             # so accumulation syncs on it and gather_for_metrics trims it.
             batches: Iterator[Any] = self._source()
-            if self._xla_loader():
+            if self.device is not None and self._xla_loader():
                 batches = xla.device_batches(batches, self.device)
             current = next(batches, _DONE)
             if rng is not None:

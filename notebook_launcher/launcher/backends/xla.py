@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 
 from notebook_launcher import hardware
+from notebook_launcher import tpu as tpu_module
 from notebook_launcher.errors import LaunchConfigError, LaunchUnsupportedError
 from notebook_launcher.launcher import rank as rank_module
 from notebook_launcher.launcher.backends.base import (
@@ -91,10 +92,12 @@ class XlaBackend(Backend):
                 "exactly (pip install 'torch_xla[tpu]==<your torch version>'), restart the "
                 "kernel, and launch again; or pass hardware='cpu' to run CPU ranks."
             )
-        tpu = hardware.detect().tpu
-        if tpu is not None and tpu.hosts > 1:
+        hosts, why = _slice_hosts()
+        if hosts > 1:
+            tpu = hardware.detect().tpu
+            kind = f"TPU {tpu.accelerator_type} slice" if tpu and tpu.accelerator_type else "TPU slice"
             raise LaunchUnsupportedError(
-                f"this machine is one of {tpu.hosts} hosts of a TPU {tpu.accelerator_type} slice, "
+                f"this machine is one of {hosts} hosts of a {kind} ({why}), "
                 "and torch_xla's runtime waits until the processes of every host have joined; a "
                 "launch from this notebook starts only this host's. Run the training as a script "
                 "on every host at once (gcloud ... tpu-vm ssh --worker=all), or use a single-host "
@@ -137,6 +140,20 @@ class XlaBackend(Backend):
         if self._supervisor is not None:
             self._supervisor.close()
             self._supervisor = None
+
+
+def _slice_hosts() -> tuple[int, str]:
+    """Hosts of this machine's TPU slice, from every source torch_xla reads them from."""
+    tpu = hardware.detect().tpu
+    if tpu is None or tpu.pjrt_device != "TPU":
+        return 1, ""
+    hosts, why = tpu_module.slice_hosts(os.environ)
+    if hosts <= 1 and not os.environ.get("TPU_SKIP_MDS_QUERY"):
+        # torch_xla then asks the VM's metadata for the slice's workers: so do we.
+        workers = tpu_module.metadata_worker_count()
+        if workers is not None and workers > 1:
+            return workers, f"the VM's metadata lists {workers} workers"
+    return hosts, why
 
 
 class _Supervisor:
