@@ -88,6 +88,7 @@ def test_numpy_values_and_dataclasses_travel_through_torch_xlas_rendezvous(launc
         "[[np.float64(0.0), array([0, 1, 2]), Score(name='accuracy', value=0.75)]]"
     ), value
     assert value["sent"] == "[Score(name='lr of 0', value=0.1), np.int64(7)]"
+    assert value["broadcast kept"] is True  # a model's broadcast from replica 0 runs on XLA
 
 
 def test_sum_mean_max_and_min_reduce_through_torch_xla(launched):

@@ -60,6 +60,7 @@ def test_numpy_values_and_dataclasses_travel_through_torch_xla_on_one_replica(tp
     assert value["gathered"] == "[[np.float64(0.0), array([0, 1, 2]), Score(name='accuracy', value=0.75)]]"
     assert value["sent"] == "[Score(name='lr of 0', value=0.1), np.int64(7)]"
     assert value["reduced"] == {k: [3.0, -1.0] for k in ("sum", "mean", "max", "min")}
+    assert value["broadcast kept"] is True
 
 
 @pytest.mark.parametrize("tpu_machine", ["tpu-vm-v4-8"], indirect=True)
@@ -76,6 +77,16 @@ def test_the_cores_collectives_across_xla_replicas(tpu_machine, leak_check):
     # dispatch_batches: rank 0 read the data, every sample reached exactly one rank.
     dispatched = [name for value in values for name in value["dispatched"]]
     assert sorted(dispatched) == sorted(f"s{i}" for i in range(16))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tpu_machine", ["kaggle-v3-8"], indirect=True)
+def test_dispatched_batches_reach_v3_replicas_that_are_threads_of_one_process(tpu_machine, leak_check):
+    # The dispatch runs collectives: in the replica's own thread, never in the loader's,
+    # which is no replica of its own (both replicas of a process would speak as one).
+    values = notebook_launcher(cases.dispatched_samples, timeout=240, return_all=True)
+    assert len(values) == 4 and all(len(v) == 4 for v in values)  # the first replica of each rank
+    assert len({name for v in values for name in v}) == 16
 
 
 @pytest.mark.parametrize("tpu_machine", ["tpu-vm-v4-8"], indirect=True)
@@ -123,6 +134,7 @@ def test_clipping_on_xla_clips_the_averaged_gradients_as_one_process_does(
     for value in values:
         assert value["norm"] == pytest.approx(reference["norm"], rel=1e-5)
         torch.testing.assert_close(torch.tensor(value["weight"]), torch.tensor(reference["weight"]))
+        assert value["agree"] is True
 
 
 def rendezvous_calls():

@@ -113,6 +113,13 @@ def reduce_gradients(optimizers: Iterable[torch.optim.Optimizer]) -> None:
             reduced.add(id(optimizer))
 
 
+def gradients_cleared(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's gradients were zeroed: the next ones are this replica's own again."""
+    reduced: set[int] | None = getattr(_state, "reduced", None)
+    if reduced:
+        reduced.discard(id(optimizer))
+
+
 def sync() -> None:
     """Cut the lazy graph here and run it (``torch_xla.sync``, once ``xm.mark_step``)."""
     import torch_xla
@@ -168,7 +175,7 @@ def broadcast_module(module: torch.nn.Module) -> None:
     """
     import torch_xla.core.xla_model as xm
 
-    tensors = [t for t in [*module.parameters(), *module.buffers()] if t.dtype is not torch.bool]
+    tensors = [t.data for t in [*module.parameters(), *module.buffers()] if t.dtype is not torch.bool]
     if not tensors:
         return
     with torch.no_grad():

@@ -58,7 +58,11 @@ def exchange_objects() -> dict[str, Any]:
         kind: xla.all_reduce(torch.tensor([3.0, -1.0], device=acc.device), kind).cpu().tolist()
         for kind in ("sum", "mean", "max", "min")
     }
-    return {"gathered": repr(gathered), "sent": repr(sent), "reduced": reduced}
+    model = torch.nn.Linear(3, 1).to(acc.device)
+    before = model.weight.detach().cpu().clone()
+    xla.broadcast_module(model)  # replica 0 keeps its own weights
+    kept = bool(torch.equal(model.weight.detach().cpu(), before))
+    return {"gathered": repr(gathered), "sent": repr(sent), "reduced": reduced, "broadcast kept": kept}
 
 
 def leave_things_running() -> dict[str, Any]:
@@ -95,6 +99,13 @@ def collectives() -> dict[str, Any]:
     loader = acc.prepare(DataLoader(list(range(16)), batch_size=2, collate_fn=as_scores))
     dispatched = [score.name for batch in loader for score in batch]
     return {"reduced": reduced, "objects": repr(objects), "sent": repr(sent), "dispatched": dispatched}
+
+
+def dispatched_samples() -> list[str]:
+    """``dispatch_batches``: replica 0 reads; each replica gets its part of every global batch."""
+    acc = Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
+    loader = acc.prepare(DataLoader(list(range(32)), batch_size=2, collate_fn=as_scores))
+    return [score.name for batch in loader for score in batch]
 
 
 def seeded_model(draws: int) -> torch.nn.Module:
@@ -137,7 +148,16 @@ def clipped_step() -> dict[str, Any]:
     acc.backward(torch.nn.functional.mse_loss(model(x), y))
     norm = acc.clip_grad_norm_(model.parameters(), max_norm=0.5)
     opt.step()
-    return {"norm": float(norm), "weight": model.weight.detach().cpu().tolist()}
+    weight = model.weight.detach().cpu().tolist()
+    opt.zero_grad()
+    # Clipped, then dropped without a step: the next step must average its own gradients.
+    acc.backward(model(x).sum())
+    acc.clip_grad_norm_(model.parameters(), max_norm=0.5)
+    opt.zero_grad()
+    acc.backward(model(x).pow(2).sum())
+    opt.step()
+    everyone = acc.gather(model.weight.detach()).cpu()
+    return {"norm": float(norm), "weight": weight, "agree": bool((everyone == everyone[0]).all())}
 
 
 def clipped_step_in_one_process(replicas: int) -> dict[str, Any]:
