@@ -88,6 +88,7 @@ def test_numpy_values_and_dataclasses_travel_through_torch_xlas_rendezvous(launc
         "[[np.float64(0.0), array([0, 1, 2]), Score(name='accuracy', value=0.75)]]"
     ), value
     assert value["sent"] == "[Score(name='lr of 0', value=0.1), np.int64(7)]"
+    assert value["tensor in an object"] == ["cpu", [0.0, 1.0, 2.0]]  # as xm.mesh_reduce gave them
     assert value["broadcast kept"] is True  # a model's broadcast from replica 0 runs on XLA
 
 

@@ -59,6 +59,7 @@ def test_numpy_values_and_dataclasses_travel_through_torch_xla_on_one_replica(tp
     value = notebook_launcher(cases.exchange_objects)
     assert value["gathered"] == "[[np.float64(0.0), array([0, 1, 2]), Score(name='accuracy', value=0.75)]]"
     assert value["sent"] == "[Score(name='lr of 0', value=0.1), np.int64(7)]"
+    assert value["tensor in an object"] == ["cpu", [0.0, 1.0, 2.0]]  # as xm.mesh_reduce gave them
     assert value["reduced"] == {k: [3.0, -1.0] for k in ("sum", "mean", "max", "min")}
     assert value["broadcast kept"] is True
 

@@ -200,18 +200,34 @@ def _exchange(payload: bytes) -> list[bytes]:
     return list(xm.rendezvous("notebook_launcher.exchange", payload))
 
 
+def _dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    _CpuPickler(buffer).dump(obj)
+    return buffer.getvalue()
+
+
+class _CpuPickler(cloudpickle.Pickler):
+    """Tensors travel as CPU tensors (as ``xm.mesh_reduce`` sends them): an XLA tensor would
+    be rebuilt on the sender's device name, which on v2/v3 names another replica's device."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+            return obj.detach().cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return super().reducer_override(obj)
+
+
 def gather_object(obj: Any) -> list[Any]:
     """Every replica's picklable object, in ordinal order.
 
     Pickled here, not by ``xm.mesh_reduce``: it loads with ``torch.load(weights_only=True)``,
     which refuses numpy values, dataclasses and most other objects.
     """
-    return [pickle.loads(data) for data in _exchange(cloudpickle.dumps(obj))]
+    return [pickle.loads(data) for data in _exchange(_dumps(obj))]
 
 
 def broadcast_object_list(objects: list[Any], from_process: int) -> list[Any]:
     """Replica ``from_process``'s objects (only it sends them), as a new list."""
-    mine = cloudpickle.dumps(list(objects)) if ordinal() == from_process else b""
+    mine = _dumps(list(objects)) if ordinal() == from_process else b""
     return list(pickle.loads(_exchange(mine)[from_process]))
 
 

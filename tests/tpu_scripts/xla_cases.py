@@ -54,6 +54,7 @@ def exchange_objects() -> dict[str, Any]:
     # Asked of torch_xla directly: with one replica the core itself would exchange nothing.
     gathered = xla.gather_object([np.float64(rank), np.arange(3), Score("accuracy", 0.75)])
     sent = xla.broadcast_object_list([Score(f"lr of {rank}", 0.1), np.int64(7)], 0)
+    on_device = xla.gather_object({"t": torch.arange(3.0, device=acc.device)})[0]["t"]
     reduced = {
         kind: xla.all_reduce(torch.tensor([3.0, -1.0], device=acc.device), kind).cpu().tolist()
         for kind in ("sum", "mean", "max", "min")
@@ -62,7 +63,10 @@ def exchange_objects() -> dict[str, Any]:
     before = model.weight.detach().cpu().clone()
     xla.broadcast_module(model)  # replica 0 keeps its own weights
     kept = bool(torch.equal(model.weight.detach().cpu(), before))
-    return {"gathered": repr(gathered), "sent": repr(sent), "reduced": reduced, "broadcast kept": kept}
+    return {
+        "gathered": repr(gathered), "sent": repr(sent), "reduced": reduced, "broadcast kept": kept,
+        "tensor in an object": [str(on_device.device), on_device.tolist()],
+    }
 
 
 def leave_things_running() -> dict[str, Any]:
