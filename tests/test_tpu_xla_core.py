@@ -60,6 +60,10 @@ def test_numpy_values_and_dataclasses_travel_through_torch_xla_on_one_replica(tp
     assert value["gathered"] == "[[np.float64(0.0), array([0, 1, 2]), Score(name='accuracy', value=0.75)]]"
     assert value["sent"] == "[Score(name='lr of 0', value=0.1), np.int64(7)]"
     assert value["tensor in an object"] == ["cpu", [0.0, 1.0, 2.0]]  # as xm.mesh_reduce gave them
+    assert value["refused"].startswith(
+        "gather_object sends each replica's object pickled, but some could not be pickled "
+        "(replica 0: TypeError: cannot pickle '_thread.lock' object)"
+    )
     assert value["reduced"] == {k: [3.0, -1.0] for k in ("sum", "mean", "max", "min")}
     assert value["broadcast kept"] is True
 
@@ -101,6 +105,18 @@ def reduce_integers_by_mean():
 
     acc = Accelerator()
     return acc.reduce(torch.tensor([acc.process_index]), "mean")
+
+
+@pytest.mark.parametrize("tpu_machine", ["tpu-vm-v4-8"], indirect=True)
+def test_an_object_that_cannot_be_pickled_fails_every_replica_instead_of_hanging_the_others(
+    tpu_machine, leak_check
+):
+    with pytest.raises(RankFailedError, match=(
+        r"CollectiveError: gather_object sends each replica's object pickled, but some could not "
+        r"be pickled \(replica 2: TypeError: cannot pickle '_thread.lock' object\)\. Pass plain data"
+    )) as caught:
+        notebook_launcher(cases.gather_a_lock, args=(2,), timeout=120)
+    assert "timeout" not in str(caught.value)
 
 
 @pytest.mark.parametrize("tpu_machine", ["colab-v5e-1", "tpu-vm-v4-8"], indirect=True)

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import cloudpickle
 import torch
 
+from notebook_launcher.errors import CollectiveError
 from notebook_launcher.rank_env import inside_rank
 
 _state = threading.local()  # per replica: v2/v3 chips run two replicas as threads of one process
@@ -216,19 +217,46 @@ class _CpuPickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
+_PICKLED, _UNPICKLABLE = b"P", b"E"
+
+
+def _exchange_objects(obj: Any, send: bool, operation: str) -> list[bytes]:
+    """Every replica's pickled ``obj`` (empty where ``send`` is false), in ordinal order.
+
+    An object that cannot be pickled still takes part in the exchange, so that every
+    replica raises the same error instead of the others waiting for it forever.
+    """
+    failure: Exception | None = None
+    try:
+        payload = _PICKLED + (_dumps(obj) if send else b"")
+    except Exception as error:
+        failure = error
+        payload = _UNPICKLABLE + f"{type(error).__name__}: {error}"[:500].encode("utf-8", "replace")
+    everyone = _exchange(payload)
+    failed = [(i, p[1:].decode("utf-8", "replace")) for i, p in enumerate(everyone) if p[:1] == _UNPICKLABLE]
+    if failed:
+        described = "; ".join(f"replica {i}: {why}" for i, why in failed)
+        raise CollectiveError(
+            f"{operation} sends each replica's object pickled, but some could not be pickled "
+            f"({described}). Pass plain data (numbers, strings, tensors, numpy values, "
+            "dataclasses), not locks, open files, generators or objects holding them."
+        ) from failure
+    return [p[1:] for p in everyone]
+
+
 def gather_object(obj: Any) -> list[Any]:
     """Every replica's picklable object, in ordinal order.
 
     Pickled here, not by ``xm.mesh_reduce``: it loads with ``torch.load(weights_only=True)``,
     which refuses numpy values, dataclasses and most other objects.
     """
-    return [pickle.loads(data) for data in _exchange(_dumps(obj))]
+    return [pickle.loads(data) for data in _exchange_objects(obj, True, "gather_object")]
 
 
 def broadcast_object_list(objects: list[Any], from_process: int) -> list[Any]:
     """Replica ``from_process``'s objects (only it sends them), as a new list."""
-    mine = _dumps(list(objects)) if ordinal() == from_process else b""
-    return list(pickle.loads(_exchange(mine)[from_process]))
+    sent = _exchange_objects(list(objects), ordinal() == from_process, "broadcast_object_list")
+    return list(pickle.loads(sent[from_process]))
 
 
 def rendezvous(tag: str) -> None:

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from notebook_launcher import Accelerator
-from notebook_launcher.accelerator import DataLoaderConfiguration
+from notebook_launcher.accelerator import CollectiveError, DataLoaderConfiguration
 
 
 @dataclasses.dataclass
@@ -59,14 +59,28 @@ def exchange_objects() -> dict[str, Any]:
         kind: xla.all_reduce(torch.tensor([3.0, -1.0], device=acc.device), kind).cpu().tolist()
         for kind in ("sum", "mean", "max", "min")
     }
+    try:
+        xla.gather_object(threading.Lock())
+        refused = ""
+    except CollectiveError as error:
+        refused = str(error)
     model = torch.nn.Linear(3, 1).to(acc.device)
     before = model.weight.detach().cpu().clone()
     xla.broadcast_module(model)  # replica 0 keeps its own weights
     kept = bool(torch.equal(model.weight.detach().cpu(), before))
     return {
         "gathered": repr(gathered), "sent": repr(sent), "reduced": reduced, "broadcast kept": kept,
-        "tensor in an object": [str(on_device.device), on_device.tolist()],
+        "tensor in an object": [str(on_device.device), on_device.tolist()], "refused": refused,
     }
+
+
+def gather_a_lock(bad_rank: int) -> list[Any]:
+    """One replica passes what cannot be pickled; the others wait for it in the exchange."""
+    acc = Accelerator()
+    mine: Any = threading.Lock() if acc.process_index == bad_rank else acc.process_index
+    from notebook_launcher.accelerator import xla
+
+    return xla.gather_object(mine)
 
 
 def leave_things_running() -> dict[str, Any]:
