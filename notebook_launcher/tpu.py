@@ -16,6 +16,7 @@ which torch_xla runs as two threads of one process; later chips show one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -102,7 +103,8 @@ def detect_tpu(environ: Mapping[str, str] | None = None, root: str | os.PathLike
         if pjrt != "CPU" or not xla_installed():
             return None  # another PJRT device (CUDA, NEURON): not ours to run
         return _xla_on_cpu(env, libtpu, tuple(evidence))
-    type_generation, type_chips, hosts = parse_accelerator_type(accelerator_type)
+    type_generation, type_chips, _ = parse_accelerator_type(accelerator_type)
+    hosts, _why = slice_hosts(env)
     # Device files alone could be another vendor's (VFIO passthrough, other accelerators).
     corroborated = bool(accelerator_type or env.get("TPU_NAME") or pjrt == "TPU" or libtpu)
     chips = pci_chips or (device_files if corroborated else 0)
@@ -141,6 +143,64 @@ def parse_accelerator_type(accelerator_type: str) -> tuple[str, int, int]:
         per_host = min(total_chips, 4)  # hosts of these generations carry 4 chips
     hosts = -(-total_chips // per_host)
     return generation, per_host, hosts
+
+
+def slice_hosts(environ: Mapping[str, str]) -> tuple[int, str]:
+    """Hosts of this TPU slice as the runtime's variables tell them, and which one said so.
+
+    torch_xla reads several: the accelerator type, ``TPU_WORKER_HOSTNAMES`` (one name per
+    host) and ``TPU_HOST_BOUNDS`` (the hosts' grid, "2,2,1" for 4); the largest count wins,
+    since the runtime waits for every host any of them names.
+    """
+    found = [(1, "")]
+    accelerator_type = (environ.get("TPU_ACCELERATOR_TYPE") or environ.get("ACCELERATOR_TYPE") or "").strip()
+    type_hosts = parse_accelerator_type(accelerator_type)[2]
+    found.append((type_hosts, f"TPU_ACCELERATOR_TYPE={accelerator_type}"))
+    names = [n for n in environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if n.strip()]
+    found.append((len(names), f"TPU_WORKER_HOSTNAMES lists {len(names)} hosts"))
+    bounds = environ.get("TPU_HOST_BOUNDS", "").strip()
+    try:
+        dims = [int(d) for d in bounds.split(",")] if bounds else []
+    except ValueError:
+        dims = []
+    if dims and all(d > 0 for d in dims):
+        grid = 1
+        for d in dims:
+            grid *= d
+        found.append((grid, f"TPU_HOST_BOUNDS={bounds}"))
+    return max(found, key=lambda item: item[0])
+
+
+_METADATA_HOST = "169.254.169.254"  # metadata.google.internal, without a DNS lookup
+
+
+def metadata_worker_count(timeout: float = 1.0) -> int | None:
+    """Hosts of this TPU slice from the VM's metadata (``worker-network-endpoints``).
+
+    torch_xla asks the metadata server when ``TPU_SKIP_MDS_QUERY`` is not set; None when
+    the server does not answer (no Google Cloud VM) or has no such entry.
+    ``GCE_METADATA_HOST`` points elsewhere, as Google's own client libraries allow.
+    """
+    return _metadata_workers(os.environ.get("GCE_METADATA_HOST") or _METADATA_HOST, timeout)
+
+
+@functools.lru_cache(maxsize=8)
+def _metadata_workers(host: str, timeout: float) -> int | None:
+    """Asked once per kernel: a VM's slice does not change, and no answer costs ``timeout``."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"http://{host}/computeMetadata/v1/instance/attributes/worker-network-endpoints",
+        headers={"Metadata-Flavor": "Google"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            text = response.read(1 << 20).decode("utf-8", "replace")
+    except (OSError, ValueError, urllib.error.URLError):
+        return None
+    workers = [w for w in text.strip().split(",") if w.strip()]
+    return len(workers) or None
 
 
 def xla_installed() -> bool:

@@ -39,7 +39,7 @@ def test_replicas_train_to_the_weights_of_one_process_with_the_global_batch(tmp_
     for record in records:
         torch.testing.assert_close(record["weight"], reference, rtol=1e-5, atol=1e-6)
         # Gradients were averaged by torch_xla's optimizer step, batches came through its loader.
-        assert record["calls"]["optimizer_step"] == 4 and record["calls"]["MpDeviceLoader"] == 1
+        assert record["calls"]["optimizer_step"] == 4 and record["calls"]["ParallelLoader"] == 1
         assert record["calls"]["rendezvous"] >= 1 and record["calls"]["save"] == 1
     # gather_for_metrics saw every sample once, in order, without the even_batches repeats.
     assert records[0]["seen"] == list(range(20))

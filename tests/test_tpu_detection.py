@@ -92,6 +92,18 @@ def test_a_slice_of_several_hosts_counts_this_hosts_chips():
     assert parse_accelerator_type("not a type") == ("", 0, 1)
 
 
+@pytest.mark.parametrize(("variable", "value", "hosts"), [
+    ("TPU_WORKER_HOSTNAMES", "t1v-n-0,t1v-n-1", 2),
+    ("TPU_WORKER_HOSTNAMES", "localhost", 1),
+    ("TPU_HOST_BOUNDS", "2,2,1", 4),
+    ("TPU_HOST_BOUNDS", "1,1,1", 1),
+])
+def test_the_hosts_of_a_slice_are_read_from_every_variable_torch_xla_reads(tmp_path, variable, value, hosts):
+    machine = MACHINES["tpu-vm-v4-8"]
+    tpu = detect_tpu({**machine.environ, "PJRT_DEVICE": "TPU", variable: value}, build_root(tmp_path, machine))
+    assert tpu is not None and tpu.hosts == hosts and tpu.chips == 4
+
+
 def test_no_tpu_on_a_plain_machine(tmp_path):
     assert detect_tpu({}, tmp_path) is None
 

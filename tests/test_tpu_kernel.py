@@ -71,6 +71,55 @@ def test_a_failing_rank_shows_its_traceback_in_the_cell_and_a_rerun_works(kaggle
     assert again.error is None and again.result == "'fine'"
 
 
+def test_a_cell_defined_data_set_that_raises_fails_the_launch_and_objects_come_back(kaggle_kernel):
+    failing = kaggle_kernel.run(
+        """
+        import dataclasses
+        import torch
+        from torch.utils.data import DataLoader, Dataset
+        from notebook_launcher import Accelerator
+
+        class Shards(Dataset):
+            def __len__(self):
+                return 64
+            def __getitem__(self, i):
+                if i == 45:
+                    raise OSError(f"shard {i} is unreadable")
+                return torch.tensor([float(i)])
+
+        def epoch():
+            acc = Accelerator()
+            seen = sum(1 for _ in acc.prepare(DataLoader(Shards(), batch_size=2)))
+            return seen
+        notebook_launcher(epoch)
+        """
+    )
+    # Sample 45 is in rank 6's third batch; torch_xla's loader thread alone would have ended
+    # that rank's epoch early and the launch would have finished.
+    assert failing.error is not None and failing.error["ename"] == "RankFailedError[OSError]"
+    assert failing.error["evalue"].startswith("Rank 6 (pid ")
+    assert "shard 45 is unreadable" in failing.error["evalue"] and "in __getitem__" in failing.error["evalue"]
+    assert_no_ranks_left(kaggle_kernel.pid)
+    objects = kaggle_kernel.run(
+        """
+        @dataclasses.dataclass
+        class Score:
+            rank: int
+            f1: float
+
+        def evaluate():
+            import numpy as np
+            acc = Accelerator()
+            return acc.gather_for_metrics([Score(acc.process_index, np.float64(0.5))], use_gather_object=True)
+        scores = notebook_launcher(evaluate)
+        [type(s).__name__ == "Score" and s.rank for s in scores]
+        """
+    )
+    assert objects.error is None, objects.error
+    assert objects.result == "[0, 1, 2, 3, 4, 5, 6, 7]"
+    assert_no_ranks_left(kaggle_kernel.pid)
+
+
 def test_xla_touched_in_a_cell_is_named_before_any_rank_starts(kaggle_kernel):
     # Last in this module: the kernel cannot launch on XLA afterwards until it restarts.
     cell = kaggle_kernel.run(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 
@@ -15,37 +14,18 @@ from notebook_launcher import (
     LaunchConfigError,
     LaunchTimeoutError,
     RankFailedError,
-    hardware,
     notebook_launcher,
 )
 from notebook_launcher.errors import LaunchUnsupportedError
 
-from .tpu_support import FAKE_XLA, MACHINES, launch_environ
-
-
-def _forget_fake_xla() -> None:
-    for name in [m for m in sys.modules if m == "torch_xla" or m.startswith("torch_xla.")]:
-        del sys.modules[name]
-    core = sys.modules.get("notebook_launcher.accelerator.xla")
-    if core is not None:
-        core.started_outside_launch = None
-        core._state.active = False
+from .tpu_support import faked_tpu
 
 
 @pytest.fixture
 def tpu_machine(request, monkeypatch):
     """A faked TPU runtime (indirect parameter: its name), with the fake torch_xla installed."""
-    name, *installed = request.param.split("+")
-    machine = MACHINES[name]
-    for key, value in launch_environ(machine).items():
-        monkeypatch.setenv(key, value)
-    if installed != ["no-torch-xla"]:
-        monkeypatch.syspath_prepend(FAKE_XLA)
-    hardware.detect(refresh=True)
-    yield machine
-    monkeypatch.undo()
-    _forget_fake_xla()
-    hardware.detect(refresh=True)
+    with faked_tpu(monkeypatch, request.param) as machine:
+        yield machine
 
 
 def where_am_i(tag):
@@ -245,7 +225,67 @@ def test_a_crashed_tpu_rank_is_reported_with_its_signal_and_last_output(tpu_mach
 @pytest.mark.parametrize("tpu_machine", ["tpu-vm-v4-32"], indirect=True)
 def test_one_host_of_a_multi_host_slice_is_refused_with_the_reason(tpu_machine, leak_check):
     with pytest.raises(LaunchUnsupportedError, match=(
-        r"this machine is one of 4 hosts of a TPU v4-32 slice, and torch_xla's runtime waits "
-        r"until the processes of every host have joined"
+        r"this machine is one of 4 hosts of a TPU v4-32 slice \(TPU_ACCELERATOR_TYPE=v4-32\), and "
+        r"torch_xla's runtime waits until the processes of every host have joined"
     )):
         notebook_launcher(where_am_i, args=("x",))
+
+
+@pytest.mark.parametrize("tpu_machine", ["tpu-vm-v4-8"], indirect=True)
+def test_a_slice_named_by_its_worker_hostnames_is_refused_too(tpu_machine, leak_check):
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(LaunchUnsupportedError, match=(
+        r"this machine is one of 2 hosts of a TPU v4-8 slice \(TPU_WORKER_HOSTNAMES lists 2 hosts\)"
+    )):
+        patch.setenv("TPU_WORKER_HOSTNAMES", "a,b")
+        notebook_launcher(where_am_i, args=("x",))
+
+
+@pytest.mark.parametrize("tpu_machine", ["tpu-vm-v4-8"], indirect=True)
+def test_a_slice_named_by_its_host_bounds_is_refused_too(tpu_machine, leak_check):
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(
+        LaunchUnsupportedError, match=r"one of 2 hosts .*\(TPU_HOST_BOUNDS=1,2,1\)"
+    ):
+        patch.setenv("TPU_HOST_BOUNDS", "1,2,1")
+        notebook_launcher(where_am_i, args=("x",))
+
+
+@pytest.fixture
+def metadata_server(monkeypatch):
+    """A stand-in for the TPU VM's metadata server on loopback, listing two workers."""
+    import http.server
+
+    asked: list[tuple[str, str | None]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            asked.append((self.path, self.headers.get("Metadata-Flavor")))
+            body = b"t1v-n-0:uid0:10.0.0.2,t1v-n-1:uid1:10.0.0.3"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.setenv("GCE_METADATA_HOST", f"127.0.0.1:{server.server_port}")
+    yield asked
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+@pytest.mark.parametrize("tpu_machine", ["tpu-vm-v4-8"], indirect=True)
+def test_a_slice_the_vms_metadata_lists_several_workers_of_is_refused_too(
+    metadata_server, tpu_machine, leak_check
+):
+    with pytest.raises(LaunchUnsupportedError, match=(
+        r"one of 2 hosts of a TPU v4-8 slice \(the VM's metadata lists 2 workers\)"
+    )):
+        notebook_launcher(where_am_i, args=("x",))
+    assert metadata_server == [
+        ("/computeMetadata/v1/instance/attributes/worker-network-endpoints", "Google")
+    ]

@@ -7,8 +7,12 @@ runtime sets. Only the hardware is fake; detection and the launcher run for real
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 FAKE_XLA = str(Path(__file__).parent / "fake_xla")  # put first on sys.path to "install" it
 
@@ -71,3 +75,33 @@ def build_root(root: Path, machine: Machine) -> Path:
 def launch_environ(machine: Machine) -> dict[str, str]:
     """The variables a launch test sets: the runtime's, and the fake's chip count."""
     return {**machine.environ, "PJRT_DEVICE": "TPU", "FAKE_TPU_CHIPS": str(machine.chips)}
+
+
+def forget_fake_xla() -> None:
+    for name in [m for m in sys.modules if m == "torch_xla" or m.startswith("torch_xla.")]:
+        del sys.modules[name]
+    core = sys.modules.get("notebook_launcher.accelerator.xla")
+    if core is not None:
+        core.started_outside_launch = None
+        core._state.active = False
+
+
+@contextlib.contextmanager
+def faked_tpu(monkeypatch: Any, spec: str) -> Iterator[Machine]:
+    """The machine named by ``spec`` ("kaggle-v5e-8", or "...+no-torch-xla"), with the fake
+    torch_xla installed, for the duration of a test."""
+    from notebook_launcher import hardware
+
+    name, *installed = spec.split("+")
+    machine = MACHINES[name]
+    for key, value in launch_environ(machine).items():
+        monkeypatch.setenv(key, value)
+    if installed != ["no-torch-xla"]:
+        monkeypatch.syspath_prepend(FAKE_XLA)
+    hardware.detect(refresh=True)
+    try:
+        yield machine
+    finally:
+        monkeypatch.undo()
+        forget_fake_xla()
+        hardware.detect(refresh=True)

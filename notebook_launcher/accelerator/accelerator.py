@@ -281,6 +281,8 @@ class Accelerator(Coordination, Checkpointing):
 
             # Moving to XLA makes new Parameters: optimizers built before must follow them.
             self._parameter_swaps.update(xla.move_model(model, self.device))
+            if self.num_processes > 1:
+                xla.broadcast_module(model)  # what DDP does on other devices
         elif place:
             model = model.to(self.device)
         if self._precision.uses_fp8:
@@ -435,6 +437,11 @@ class Accelerator(Coordination, Checkpointing):
         """Clip the gradients' total norm across all ranks' shards; returns the norm before clipping."""
         if self.gradient_state.sync_gradients:
             self.unscale_gradients()
+            if self.state.device_kind == "tpu" and self.num_processes > 1:
+                from notebook_launcher.accelerator import xla
+
+                # No DDP on XLA: average before clipping, as DDP's backward did elsewhere.
+                xla.reduce_gradients(o.optimizer for o in self._optimizers)
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2
         return full() if callable(full) else norm

@@ -117,8 +117,16 @@ class DataLoaderShard(DataLoader):
             batch_sampler = batch_sampler.batch_sampler
         return getattr(batch_sampler, "sampler", None)
 
+    def _xla_loader(self) -> bool:
+        """Batches reach the XLA device through torch_xla's parallel loader.
+
+        Not dispatched ones: dispatching runs collectives, which belong in the replica's
+        own thread, not the loader's.
+        """
+        return self.device is not None and xla.active() and not isinstance(self.shard, BatchDispatcher)
+
     def _move(self, batch: Any) -> Any:
-        if self.device is None or xla.active():  # torch_xla's loader moved it already
+        if self.device is None or self._xla_loader():  # torch_xla's loader moved it already
             return batch
         return send_to_device(batch, self.device, non_blocking=self.non_blocking)
 
@@ -153,7 +161,7 @@ class DataLoaderShard(DataLoader):
             # One batch of look-ahead tells which batch is the last, before it is used,
             # so accumulation syncs on it and gather_for_metrics trims it.
             batches: Iterator[Any] = self._source()
-            if self.device is not None and xla.active():
+            if self.device is not None and self._xla_loader():
                 batches = xla.device_batches(batches, self.device)
             current = next(batches, _DONE)
             if rng is not None:

@@ -172,7 +172,7 @@ def broadcast(data: Any, from_process: int = 0) -> Any:
 def broadcast_object_list(objects: list[Any], from_process: int = 0) -> list[Any]:
     """Rank ``from_process``'s picklable objects, written into ``objects`` on every rank."""
     if is_distributed() and xla.active():
-        objects[:] = xla.gather_object(list(objects))[from_process * len(objects):][: len(objects)]
+        objects[:] = xla.broadcast_object_list(objects, from_process)
     elif is_distributed():
         dist.broadcast_object_list(objects, src=from_process)
     return objects

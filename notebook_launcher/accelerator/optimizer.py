@@ -60,6 +60,10 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.gradient_state.sync_gradients:
             self.optimizer.zero_grad(set_to_none=set_to_none)
+            if self.device_kind == "tpu":
+                from notebook_launcher.accelerator import xla
+
+                xla.gradients_cleared(self.optimizer)  # clipped but not stepped: reduce anew
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         if not self.gradient_state.sync_gradients:

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable
 
+import cloudpickle
 import torch
 
+from notebook_launcher.errors import CollectiveError
 from notebook_launcher.rank_env import inside_rank
 
 _state = threading.local()  # per replica: v2/v3 chips run two replicas as threads of one process
@@ -78,12 +81,44 @@ def move_model(model: torch.nn.Module, device: torch.device) -> dict[int, torch.
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, closure: Callable[[], float] | None) -> Any:
-    """All-reduce the gradients across replicas (averaged), then step."""
+    """All-reduce the gradients across replicas (averaged), then step.
+
+    Gradients that :func:`reduce_gradients` averaged already (to clip them) are not
+    averaged a second time.
+    """
     import torch_xla.core.xla_model as xm
 
-    result = xm.optimizer_step(optimizer, optimizer_args={"closure": closure} if closure else {})
+    reduced: set[int] = getattr(_state, "reduced", set())
+    if id(optimizer) in reduced:
+        reduced.discard(id(optimizer))
+        result = optimizer.step(closure) if closure else optimizer.step()
+    else:
+        result = xm.optimizer_step(optimizer, optimizer_args={"closure": closure} if closure else {})
     sync()
     return result
+
+
+def reduce_gradients(optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    """Average the optimizers' gradients across replicas now, once per step.
+
+    Clipping needs the averaged gradients, as DDP gives them on other devices: clipped
+    per replica, the norm and the update would depend on how the batch was split.
+    """
+    import torch_xla.core.xla_model as xm
+
+    reduced: set[int] = getattr(_state, "reduced", None) or set()
+    _state.reduced = reduced
+    for optimizer in optimizers:
+        if id(optimizer) not in reduced:
+            xm.reduce_gradients(optimizer)
+            reduced.add(id(optimizer))
+
+
+def gradients_cleared(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's gradients were zeroed: the next ones are this replica's own again."""
+    reduced: set[int] | None = getattr(_state, "reduced", None)
+    if reduced:
+        reduced.discard(id(optimizer))
 
 
 def sync() -> None:
@@ -112,11 +147,14 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce(tensor: torch.Tensor, reduction: str) -> torch.Tensor:
-    """Every replica's ``tensor`` combined elementwise: "sum" (also for "mean"), "max" or "min"."""
+    """Every replica's ``tensor`` combined elementwise: "sum", "mean", "max" or "min"."""
     import torch_xla.core.xla_model as xm
 
     kinds = {"sum": xm.REDUCE_SUM, "mean": xm.REDUCE_SUM, "max": xm.REDUCE_MAX, "min": xm.REDUCE_MIN}
-    return xm.all_reduce(kinds[reduction], tensor)
+    result = xm.all_reduce(kinds[reduction], tensor)
+    if reduction == "mean":
+        result /= world_size()  # as on other devices: in place, so integer tensors refuse it
+    return result
 
 
 def broadcast(tensor: torch.Tensor, from_process: int) -> torch.Tensor:
@@ -129,11 +167,96 @@ def broadcast(tensor: torch.Tensor, from_process: int) -> torch.Tensor:
     return tensor
 
 
-def gather_object(obj: Any) -> list[Any]:
-    """Every replica's picklable object, in ordinal order (an out-of-graph exchange)."""
+def broadcast_module(module: torch.nn.Module) -> None:
+    """Replica 0's parameters and buffers, written into every replica's ``module``.
+
+    DDP does this on other devices. Replicas that start from different weights (v2/v3
+    replicas are threads drawing from one global RNG) would otherwise train apart:
+    gradients are averaged, weights never are.
+    """
     import torch_xla.core.xla_model as xm
 
-    return list(xm.mesh_reduce("notebook_launcher.gather_object", obj, list))
+    tensors = [t.data for t in [*module.parameters(), *module.buffers()] if t.dtype is not torch.bool]
+    if not tensors:
+        return
+    with torch.no_grad():
+        if ordinal() != 0:
+            for t in tensors:
+                t.zero_()
+        # One in-place sum where only replica 0 contributes.
+        xm.all_reduce(xm.REDUCE_SUM, tensors)
+    sync()
+
+
+def ordinal() -> int:
+    import torch_xla.runtime as xr
+
+    return int(xr.global_ordinal())
+
+
+def _exchange(payload: bytes) -> list[bytes]:
+    """Every replica's bytes, in ordinal order (an out-of-graph exchange)."""
+    import torch_xla.core.xla_model as xm
+
+    return list(xm.rendezvous("notebook_launcher.exchange", payload))
+
+
+def _dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    _CpuPickler(buffer).dump(obj)
+    return buffer.getvalue()
+
+
+class _CpuPickler(cloudpickle.Pickler):
+    """Tensors travel as CPU tensors (as ``xm.mesh_reduce`` sends them): an XLA tensor would
+    be rebuilt on the sender's device name, which on v2/v3 names another replica's device."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+            return obj.detach().cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return super().reducer_override(obj)
+
+
+_PICKLED, _UNPICKLABLE = b"P", b"E"
+
+
+def _exchange_objects(obj: Any, send: bool, operation: str) -> list[bytes]:
+    """Every replica's pickled ``obj`` (empty where ``send`` is false), in ordinal order.
+
+    An object that cannot be pickled still takes part in the exchange, so that every
+    replica raises the same error instead of the others waiting for it forever.
+    """
+    failure: Exception | None = None
+    try:
+        payload = _PICKLED + (_dumps(obj) if send else b"")
+    except Exception as error:
+        failure = error
+        payload = _UNPICKLABLE + f"{type(error).__name__}: {error}"[:500].encode("utf-8", "replace")
+    everyone = _exchange(payload)
+    failed = [(i, p[1:].decode("utf-8", "replace")) for i, p in enumerate(everyone) if p[:1] == _UNPICKLABLE]
+    if failed:
+        described = "; ".join(f"replica {i}: {why}" for i, why in failed)
+        raise CollectiveError(
+            f"{operation} sends each replica's object pickled, but some could not be pickled "
+            f"({described}). Pass plain data (numbers, strings, tensors, numpy values, "
+            "dataclasses), not locks, open files, generators or objects holding them."
+        ) from failure
+    return [p[1:] for p in everyone]
+
+
+def gather_object(obj: Any) -> list[Any]:
+    """Every replica's picklable object, in ordinal order.
+
+    Pickled here, not by ``xm.mesh_reduce``: it loads with ``torch.load(weights_only=True)``,
+    which refuses numpy values, dataclasses and most other objects.
+    """
+    return [pickle.loads(data) for data in _exchange_objects(obj, True, "gather_object")]
+
+
+def broadcast_object_list(objects: list[Any], from_process: int) -> list[Any]:
+    """Replica ``from_process``'s objects (only it sends them), as a new list."""
+    sent = _exchange_objects(list(objects), ordinal() == from_process, "broadcast_object_list")
+    return list(pickle.loads(sent[from_process]))
 
 
 def rendezvous(tag: str) -> None:
@@ -151,17 +274,40 @@ def save(obj: Any, f: str | os.PathLike[str] | io.IOBase) -> None:
 
 
 def device_batches(batches: Iterable[Any], device: torch.device) -> Iterator[Any]:
-    """Batches moved to ``device`` by torch_xla's parallel loader (copies overlap compute)."""
+    """Batches moved to ``device`` by torch_xla's parallel loader (copies overlap compute).
+
+    The loader reads ``batches`` in a daemon thread of its own, where an exception only
+    prints and ends the epoch early as if the data had run out: it is caught there and
+    raised here, after the batches read before it. Leaving early (``break``) stops that
+    thread and closes ``batches`` (a DataLoader's workers end with its iterator).
+    """
     import torch_xla.distributed.parallel_loader as pl
 
-    yield from pl.MpDeviceLoader(_Once(batches), device)
+    source = _Source(batches)
+    loader = pl.ParallelLoader(source, [device])
+    try:
+        yield from loader.per_device_loader(device)
+        if source.error is not None:
+            raise source.error
+    finally:
+        loader.close()  # joins the loader's threads
+        source.close()
 
 
-class _Once:
-    """An iterable over an iterator the parallel loader reads from its own thread."""
+class _Source:
+    """The batches, read once by the parallel loader's thread, which keeps their error."""
 
     def __init__(self, batches: Iterable[Any]) -> None:
-        self._batches = batches
+        self._batches = iter(batches)
+        self.error: BaseException | None = None
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self._batches)
+        try:
+            yield from self._batches
+        except Exception as error:
+            self.error = error
+
+    def close(self) -> None:
+        close = getattr(self._batches, "close", None)
+        if callable(close):
+            close()

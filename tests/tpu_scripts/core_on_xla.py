@@ -26,7 +26,9 @@ def dataset() -> TensorDataset:
 
 
 def model() -> torch.nn.Module:
-    # A local generator: v2/v3 replicas are threads of one process and share the global one.
+    # A local generator, so replica 0 starts exactly as the one-process reference does (v2/v3
+    # replicas are threads sharing the global RNG; that the core then broadcasts replica 0's
+    # weights is tested in test_tpu_xla_core.py).
     g = torch.Generator().manual_seed(1)
     net = torch.nn.Linear(FEATURES, 1)
     with torch.no_grad():

@@ -1,7 +1,9 @@
-"""One launch on the real torch_xla with PJRT_DEVICE=CPU: a rank trains a small model with the
-training core and returns a value; a second launch raises, and the error comes back.
+"""Launches on the real torch_xla with PJRT_DEVICE=CPU: a rank trains a small model with the
+training core and returns a value; a launch that raises, one whose data set raises, one that
+exchanges objects and reduces through torch_xla, one that leaves a loader and a thread behind.
 
-Run by tests/test_tpu_real_xla.py (make test-xla) in the .venv-xla environment.
+Each prints one line the test reads. Run by tests/test_tpu_real_xla.py (make test-xla) in the
+.venv-xla environment.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ import json
 import os
 import sys
 
-from notebook_launcher import RankFailedError, hardware, notebook_launcher
+from xla_cases import exchange_objects, leave_things_running, read_flaky_data  # this directory
+
+from notebook_launcher import LaunchTimeoutError, RankFailedError, hardware, notebook_launcher
 
 
 def train(steps: int) -> dict:
@@ -72,3 +76,21 @@ if __name__ == "__main__":
     else:
         sys.exit("the failing launch did not raise")
     print("kernel environment unchanged:", "TPU_PROCESS_ADDRESSES" not in os.environ)
+    try:
+        batches = notebook_launcher(read_flaky_data, hardware="tpu")
+    except RankFailedError as error:
+        print("data error:", json.dumps({"type": type(error).__name__,
+                                          "is ValueError": isinstance(error, ValueError),
+                                          "message": str(error)}))
+    else:
+        print("data error:", json.dumps({"returned": batches}))
+    try:
+        objects = notebook_launcher(exchange_objects, hardware="tpu")
+    except RankFailedError as error:
+        objects = {"failed": str(error).splitlines()[0]}
+    print("objects:", json.dumps(objects), flush=True)
+    try:
+        left = notebook_launcher(leave_things_running, hardware="tpu", timeout=180)
+    except LaunchTimeoutError as error:
+        left = {"timed out": str(error).splitlines()[0]}
+    print("left behind:", json.dumps(left), flush=True)

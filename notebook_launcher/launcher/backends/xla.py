@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 
 from notebook_launcher import hardware
+from notebook_launcher import tpu as tpu_module
 from notebook_launcher.errors import LaunchConfigError, LaunchUnsupportedError
 from notebook_launcher.launcher import rank as rank_module
 from notebook_launcher.launcher.backends.base import (
@@ -91,10 +92,12 @@ class XlaBackend(Backend):
                 "exactly (pip install 'torch_xla[tpu]==<your torch version>'), restart the "
                 "kernel, and launch again; or pass hardware='cpu' to run CPU ranks."
             )
-        tpu = hardware.detect().tpu
-        if tpu is not None and tpu.hosts > 1:
+        hosts, why = _slice_hosts()
+        if hosts > 1:
+            tpu = hardware.detect().tpu
+            kind = f"TPU {tpu.accelerator_type} slice" if tpu and tpu.accelerator_type else "TPU slice"
             raise LaunchUnsupportedError(
-                f"this machine is one of {tpu.hosts} hosts of a TPU {tpu.accelerator_type} slice, "
+                f"this machine is one of {hosts} hosts of a {kind} ({why}), "
                 "and torch_xla's runtime waits until the processes of every host have joined; a "
                 "launch from this notebook starts only this host's. Run the training as a script "
                 "on every host at once (gcloud ... tpu-vm ssh --worker=all), or use a single-host "
@@ -125,8 +128,11 @@ class XlaBackend(Backend):
         payload: Any,
         target: RankTarget,
     ) -> list[RankControl]:
-        # One process: torch_xla runs the function in the supervisor itself (nprocs=1).
-        nprocs = 1 if len(specs) == 1 else None
+        # All of this host's processes: torch_xla's own default (nprocs=None), a pool with
+        # one process per chip, even when that is one. Fewer (only 1 is possible): torch_xla
+        # runs the function in the supervisor itself (nprocs=1).
+        tpu = hardware.detect().tpu
+        nprocs = None if len(specs) == (tpu.processes if tpu is not None else 1) else 1
         self._supervisor = _Supervisor.start(nprocs, specs, ends, payload, target)
         return [XlaRankControl(self._supervisor) for _ in specs]
 
@@ -134,6 +140,20 @@ class XlaBackend(Backend):
         if self._supervisor is not None:
             self._supervisor.close()
             self._supervisor = None
+
+
+def _slice_hosts() -> tuple[int, str]:
+    """Hosts of this machine's TPU slice, from every source torch_xla reads them from."""
+    tpu = hardware.detect().tpu
+    if tpu is None or tpu.pjrt_device != "TPU":
+        return 1, ""
+    hosts, why = tpu_module.slice_hosts(os.environ)
+    if hosts <= 1 and not os.environ.get("TPU_SKIP_MDS_QUERY"):
+        # torch_xla then asks the VM's metadata for the slice's workers: so do we.
+        workers = tpu_module.metadata_worker_count()
+        if workers is not None and workers > 1:
+            return workers, f"the VM's metadata lists {workers} workers"
+    return hosts, why
 
 
 class _Supervisor:
@@ -297,7 +317,7 @@ def _supervise(
     global _launch
     # Handed over by fork, not through torch_xla's process pool, which pickles what it sends
     # (a function defined in a cell would not pickle; pipes would arrive as copies).
-    _launch = _Launch(specs, ends, payload, target, dict(os.environ))
+    _launch = _Launch(specs, ends, payload, target, dict(os.environ), os.getpid())
     code = 0
     try:
         import torch_xla.distributed.xla_multiprocessing as xmp
@@ -364,6 +384,7 @@ class _Launch:
     payload: Any
     target: RankTarget
     supervisor_environ: dict[str, str]  # before torch_xla set each process's topology
+    supervisor_pid: int
 
 
 _launch: _Launch | None = None
@@ -411,6 +432,29 @@ def _replica_entry(ordinal: int) -> None:
     else:
         _ready.set()
     target(spec, payload, ends[index])
+    if os.getpid() != _launch.supervisor_pid:
+        _end_at_exit_despite_threads()
+
+
+def _end_at_exit_despite_threads() -> None:
+    """A rank in torch_xla's pool ends when the pool lets it go, whatever threads remain.
+
+    The rank returned into torch_xla's pool, whose process, at its normal exit, would
+    wait for every non-daemon thread the function left running, and the launch with it.
+    Registered now, this runs at that exit after the pool's own clean-up, before the
+    wait: the rank ends as ranks of other backends do, with what it started.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # an interpreter without it: the process ends as Python decides
+        return
+
+    def end() -> None:
+        current = threading.current_thread()
+        if any(t is not current and not t.daemon and t.is_alive() for t in threading.enumerate()):
+            rank_module._exit(0)
+
+    with contextlib.suppress(RuntimeError):  # the interpreter is shutting down already
+        register(end)
 
 
 def _first_replica(payload: Any) -> Any:

@@ -49,15 +49,21 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+_process_ordinal = 0  # a thread torch_xla did not start (a loader's) uses the process's device
+
+
 def ordinal() -> int:
-    return getattr(_local, "ordinal", 0)
+    return getattr(_local, "ordinal", _process_ordinal)
 
 
 def world_size() -> int:
     return int(os.environ.get("FAKE_XLA_WORLD_SIZE", "1"))
 
 
-def set_replica(ordinal_: int) -> None:
+def set_replica(ordinal_: int, first_of_process: bool = True) -> None:
+    global _process_ordinal
+    if first_of_process:
+        _process_ordinal = ordinal_
     _local.ordinal = ordinal_
     _local.group = None
     _local.generation = collections.Counter()
@@ -86,10 +92,15 @@ def group() -> Any:
     return found
 
 
-def all_reduce_sum(tensors: list[torch.Tensor]) -> None:
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def all_reduce(kind: str, tensors: list[torch.Tensor]) -> None:
     if world_size() > 1:
+        options = dist.AllreduceOptions()
+        options.reduceOp = _OPS[kind]
         for tensor in tensors:  # gloo reads a list as one tensor per local device
-            group().allreduce([tensor]).wait()
+            group().allreduce([tensor], options).wait()
 
 
 def all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:

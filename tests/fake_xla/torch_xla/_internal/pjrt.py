@@ -32,7 +32,7 @@ def _run_thread_per_device(local_rank: int, local_world_size: int, fn: Callable[
     first = local_rank * len(devices)
 
     def _thread_fn(index: int) -> Any:
-        _fake.set_replica(first + index)
+        _fake.set_replica(first + index, first_of_process=index == 0)
         return fn()
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(devices)) as executor:
@@ -41,13 +41,13 @@ def _run_thread_per_device(local_rank: int, local_world_size: int, fn: Callable[
 
 
 def _run_singleprocess(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    _fake.set_replica(0)
     initialize_singleprocess()
     return fn(*args, **kwargs)
 
 
 def initialize_singleprocess() -> None:
     os.environ.setdefault("PJRT_LOCAL_PROCESS_COUNT", "1")
-    _fake.set_replica(0)
     xm.set_replication(torch_xla.device(), [])
 
 

@@ -52,14 +52,13 @@ def wait_device_ops(devices: list[str] = []) -> None:  # noqa: B006 (the real si
 
 def all_reduce(reduce_type: str, inputs: Any, scale: float = 1.0, groups: Any = None,
                pin_layout: bool = True) -> Any:
-    if reduce_type != REDUCE_SUM:
-        raise NotImplementedError(f"the fake all_reduce sums only, got {reduce_type!r}")
     _fake.calls["all_reduce"] += 1
+    _fake.calls[f"all_reduce_{reduce_type}"] += 1
     if isinstance(inputs, torch.Tensor):
         result = inputs.clone()
-        _fake.all_reduce_sum([result])
+        _fake.all_reduce(reduce_type, [result])
         return result * scale if scale != 1.0 else result
-    _fake.all_reduce_sum(list(inputs))
+    _fake.all_reduce(reduce_type, list(inputs))
     if scale != 1.0:
         for tensor in inputs:
             tensor.mul_(scale)
@@ -98,7 +97,8 @@ def rendezvous(tag: str, payload: bytes = b"", replicas: list[int] = []) -> list
 def mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list[Any]], Any]) -> Any:
     buffer = io.BytesIO()
     torch.save(data, buffer)
-    gathered = [torch.load(io.BytesIO(d), weights_only=False) for d in rendezvous(tag, buffer.getvalue())]
+    # As torch_xla 2.9: torch.load's default, weights_only=True since torch 2.6.
+    gathered = [torch.load(io.BytesIO(d)) for d in rendezvous(tag, buffer.getvalue())]
     return reduce_fn(gathered)
 
 
