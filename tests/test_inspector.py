@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from notebook_launcher.errors import LaunchTypeError
-from notebook_launcher.session.inspect import GRID_COLS, GRID_ROWS, check_names, summarize, summarize_name
+from notebook_launcher.session.inspect import (
+    GRID_COLS,
+    GRID_ROWS,
+    check_names,
+    summarize,
+    summarize_name,
+)
 from notebook_launcher.widgets.inspector import Inspection, render_html, render_text, verdict
 
 from .kernel_driver import RunningKernel

@@ -27,7 +27,7 @@ GRID_ROWS = 16
 GRID_COLS = 32
 BARS = 64  # a 1-D tensor is drawn as up to this many bars
 TEXT_LIMIT = 300  # characters of a string or repr that travel
-_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\Z")
+_NAME = re.compile(r"[A-Za-z_]\w*(\.\w+)*\Z")
 
 
 @dataclasses.dataclass(frozen=True)
