@@ -64,6 +64,8 @@ def test_numbers_strings_and_objects_travel_as_cut_text():
     assert summarize(3, "n").text == "3" and summarize(3, "n").kind == "number"
     long = summarize("x" * 10_000)
     assert long.kind == "text" and len(long.text) < 400 and "10,000 characters" in long.text
+    assert summarize(b"\xff".decode("utf-8", "surrogateescape")).text == "\\udcff"
+    assert summarize("\x1b[31mred").text == "\x1b[31mred"
     unpicklable = summarize(iter([1]))
     assert unpicklable.kind == "object" and "iterator" in unpicklable.text
 

@@ -139,9 +139,10 @@ def _object(value: Any, name: str, rank: int, why: str = "") -> ValueSummary:
 
 
 def _cut(text: str) -> str:
-    if len(text) <= TEXT_LIMIT:
-        return text
-    return f"{text[:TEXT_LIMIT]}… ({len(text):,} characters)"
+    # Lone surrogates (undecodable bytes a str carries) could not be sent as JSON to the
+    # frontend: written as escapes instead.
+    cut = text if len(text) <= TEXT_LIMIT else f"{text[:TEXT_LIMIT]}… ({len(text):,} characters)"
+    return cut.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _digest(data: Any) -> str:
@@ -150,8 +151,9 @@ def _digest(data: Any) -> str:
 
 def _tensor(torch: Any, value: Any, name: str, rank: int) -> ValueSummary:
     note = ""
+    type_name = type(value).__name__
     if hasattr(value, "to_local") and hasattr(value, "placements"):  # a DTensor (FSDP2, TP)
-        placements = ", ".join(str(p) for p in value.placements)
+        placements = ", ".join(repr(p) for p in value.placements)
         note = f"local shard of {tuple(value.shape)} ({placements})"
         value = value.to_local()
     device = str(value.device)
@@ -193,7 +195,7 @@ def _tensor(torch: Any, value: Any, name: str, rank: int) -> ValueSummary:
         elements = tuple(_element(x) for x in flat.tolist())
     grid, grid_note = _grid(torch, work)
     return ValueSummary(
-        name, rank, "tensor", type(value).__name__, key=hasher.hexdigest(), shape=shape,
+        name, rank, "tensor", type_name, key=hasher.hexdigest(), shape=shape,
         dtype=str(tensor.dtype).replace("torch.", ""), device=device, numel=numel,
         elements=elements, grid=grid, grid_note=grid_note, nan=nan, inf=inf, note=note,
         text=elements[0] if shape == () and elements else "", **stats,
