@@ -105,6 +105,7 @@ def test_mismatched_shapes_and_a_missing_rank_draw():
     assert "rank 2: not defined (w is not defined on rank 2)" in text
     page = render_html([("", values)])
     assert page.count("<svg") == 2 and "not defined" in page
+    assert verdict(values["w"]).odd == {2}  # every present rank differs: only the missing one stands out
 
 
 def test_user_text_is_escaped_and_dollars_are_kept_from_mathjax():

@@ -50,8 +50,10 @@ def verdict(summaries: Sequence[ValueSummary]) -> Verdict:
         if len(summaries) == 1:
             return Verdict(True, frozenset(), "one rank shown")
         return Verdict(True, frozenset(), f"equal on every rank ({len(summaries)})")
-    common, _ = counts.most_common(1)[0]
-    odd = {s.rank for s in present if s.key != common} | set(missing)
+    common, most = counts.most_common(1)[0]
+    # Outlined: ranks apart from a majority. When every rank holds its own value, none is.
+    apart = most > 1 or (len(present) == 1 and len(summaries) > 1)
+    odd = {s.rank for s in present if apart and s.key != common} | set(missing)
     parts = []
     if len(counts) > 1:
         parts.append(f"differs across ranks ({len(counts)} different values)")
@@ -207,7 +209,9 @@ def _tensor_html(s: ValueSummary, scale: tuple[float, float] | None) -> str:
         if s.grid_note:
             lines.append(f'<div style="opacity: 0.65; font-size: 11px;">{html.escape(s.grid_note)}</div>')
     if s.elements and s.shape != ():
-        shown = ", ".join(s.elements[:_SHOWN_ELEMENTS]) + (", …" if len(s.elements) > _SHOWN_ELEMENTS else "")
+        # The picture shows a matrix's values; its text stays short.
+        limit = _SHOWN_ELEMENTS if len(s.shape) == 1 else _SHOWN_ELEMENTS // 2
+        shown = ", ".join(_short(e) for e in s.elements[:limit]) + (", …" if len(s.elements) > limit else "")
         lines.append(f'<div style="{_MONO} word-break: break-all;">[{html.escape(shown)}]</div>')
     elif s.numel > _SHOWN_ELEMENTS:
         lines.append(f"<div>{s.numel:,} elements</div>")
@@ -215,6 +219,13 @@ def _tensor_html(s: ValueSummary, scale: tuple[float, float] | None) -> str:
     if stats and s.numel > 1:
         lines.append(f'<div style="opacity: 0.75;">{html.escape(stats)}</div>')
     return "".join(lines)
+
+
+def _short(element: str) -> str:
+    try:
+        return f"{float(element):.4g}"
+    except ValueError:  # True, 1+2j
+        return element
 
 
 def _scales(stages: Sequence[tuple[str, dict[str, list[ValueSummary]]]]) -> dict[str, tuple[float, float]]:
