@@ -116,7 +116,7 @@ def test_03_collectives_are_drawn_before_and_after():
     assert "= [14, 16]" in scatter["after the cell: mine"][1][1]
     assert heat["after the cell: m"][0] == "equal on every rank (2)"
     html = cells[-2].outputs[0].data["text/html"]  # the MAX all_reduce, drawn as heatmaps
-    assert html.count("<svg") == 4 and html.count('data-equal="true"') == 1
+    assert html.count('src="data:image/svg+xml;base64,') == 4 and html.count('data-equal="true"') == 1
     assert errors(cells) == []
 
 

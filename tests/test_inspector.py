@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import html
 import math
 import pickle
+import re
+from xml.etree import ElementTree
 
 import pytest
 import torch
@@ -104,7 +107,7 @@ def test_mismatched_shapes_and_a_missing_rank_draw():
     assert "differs across ranks" in text and "missing on rank 2" in text
     assert "rank 2: not defined (w is not defined on rank 2)" in text
     page = render_html([("", values)])
-    assert page.count("<svg") == 2 and "not defined" in page
+    assert page.count('src="data:image/svg+xml;base64,') == 2 and "not defined" in page
     assert verdict(values["w"]).odd == {2}  # every present rank differs: only the missing one stands out
 
 
@@ -114,6 +117,17 @@ def test_user_text_is_escaped_and_dollars_are_kept_from_mathjax():
     assert "<img" not in page and "<script>" not in page and "<b>" not in page
     assert html.escape('<img src=x onerror="alert(1)"> costs $5 and $6') in page
     assert page.startswith('<div class="notebook-launcher-inspector tex2jax_ignore mathjax_ignore"')
+
+
+def test_pictures_are_svg_images_that_survive_html_sanitisers():
+    page = render_html([("", stage("m", [torch.randn(3, 4), torch.tensor([1.0, math.nan])]))])
+    assert "<svg" not in page  # inline SVG is dropped by sanitisers; images are kept
+    pictures = re.findall(r'src="data:image/svg\+xml;base64,([^"]+)"', page)
+    assert len(pictures) == 2
+    for picture in pictures:
+        root = ElementTree.fromstring(base64.b64decode(picture))
+        assert root.tag == "{http://www.w3.org/2000/svg}svg" and len(root) > 0
+    assert 'alt="heatmap of m on rank 0"' in page
 
 
 def test_an_inspection_is_an_ordinary_display_output():

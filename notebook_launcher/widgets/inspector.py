@@ -1,7 +1,7 @@
 """The rank inspector's drawing: each rank's value side by side, as static HTML with SVG.
 
 Pure functions of the summaries the ranks sent (see ``session/inspect.py``). The result is
-an ordinary display output (HTML, with a plain-text twin), so it stays in the saved notebook
+an ordinary display output (HTML with the pictures as SVG images, and a plain-text twin), so it stays in the saved notebook
 and shows in nbconvert and on GitHub without a kernel. Every piece of user text is escaped,
 and the whole record is marked for MathJax to leave alone, so ``$`` stays a dollar sign.
 Colours are mid-tones on a shared scale per name, so equal values look equal on every rank
@@ -10,6 +10,7 @@ and before and after a cell.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import html
 import math
@@ -259,6 +260,12 @@ def _colour(x: float, scale: tuple[float, float]) -> str:
     return _mix((222, 235, 247), (8, 48, 107), t)
 
 
+def _ink(fill: str) -> str:
+    """Dark text on light cells, white on dark ones."""
+    r, g, b = (int(fill[i : i + 2], 16) for i in (1, 3, 5))
+    return "#222" if 0.299 * r + 0.587 * g + 0.114 * b > 140 else "#fff"
+
+
 def _mix(a: tuple[int, int, int], b: tuple[int, int, int], t: float) -> str:
     r, g, bl = (round(p + (q - p) * t) for p, q in zip(a, b))
     return f"#{r:02x}{g:02x}{bl:02x}"
@@ -277,17 +284,29 @@ def _svg(s: ValueSummary, scale: tuple[float, float] | None) -> str:
             tip = s.elements[i * cols + j] if s.elements else _num(x)
             rects.append(
                 f'<rect x="{j * cell}" y="{i * cell}" width="{cell}" height="{cell}" '
-                f'fill="{_colour(x, scale)}"><title>{html.escape(tip)}</title></rect>'
+                f'fill="{_colour(x, scale)}"/>'
             )
             if label:
                 rects.append(
                     f'<text x="{j * cell + cell / 2}" y="{i * cell + cell / 2 + 3.5}" font-size="9" '
-                    f'text-anchor="middle" fill="#222">{html.escape(tip[:4])}</text>'
+                    f'font-family="sans-serif" text-anchor="middle" fill="{_ink(_colour(x, scale))}">'
+                    f"{html.escape(_short(tip)[:4])}</text>"
                 )
     w, h = cols * cell, rows * cell
+    return _image(
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}">'
+        f'{"".join(rects)}</svg>', w, h, f"heatmap of {s.name} on rank {s.rank}",
+        "border: 1px solid rgba(128,128,128,0.4);",
+    )
+
+
+def _image(svg: str, width: int, height: int, alt: str, style: str = "") -> str:
+    """The SVG as an image: frontends that sanitise HTML (JupyterLab for a notebook it did
+    not run) drop inline SVG but keep images, and nothing in an image can run."""
+    data = base64.b64encode(svg.encode()).decode()
     return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
-        f'style="display: block; margin: 3px 0; border: 1px solid rgba(128,128,128,0.4);">{"".join(rects)}</svg>'
+        f'<img class="nl-picture" alt="{html.escape(alt)}" width="{width}" height="{height}" '
+        f'style="display: block; margin: 3px 0; {style}" src="data:image/svg+xml;base64,{data}">'
     )
 
 
@@ -301,7 +320,6 @@ def _bars(s: ValueSummary, scale: tuple[float, float]) -> str:
     zero = h - (0 - low) / span * h
     items = [f'<line x1="0" x2="{n * width}" y1="{zero:.1f}" y2="{zero:.1f}" stroke="#888" stroke-width="0.5"/>']
     for i, x in enumerate(values):
-        tip = s.elements[i] if s.elements else _num(x)
         if math.isnan(x):
             top, bottom, fill = 0.0, float(h), NAN_COLOUR
         else:
@@ -311,10 +329,10 @@ def _bars(s: ValueSummary, scale: tuple[float, float]) -> str:
                 fill = "#111"
         items.append(
             f'<rect x="{i * width + 0.5}" y="{top:.1f}" width="{width - 1}" height="{max(bottom - top, 1):.1f}" '
-            f'fill="{fill}" stroke="#555" stroke-width="0.3"><title>{html.escape(tip)}</title></rect>'
+            f'fill="{fill}" stroke="#555" stroke-width="0.3"/>'
         )
     w = n * width
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
-        f'style="display: block; margin: 3px 0;">{"".join(items)}</svg>'
+    return _image(
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}">'
+        f'{"".join(items)}</svg>', w, h, f"bar chart of {s.name} on rank {s.rank}",
     )
