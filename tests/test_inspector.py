@@ -78,6 +78,13 @@ def test_a_name_or_attribute_missing_on_the_rank_is_said_so():
     missing = summarize_name({"model": object()}, "model.weight", 1)
     assert not missing.present and missing.text == "model has no attribute weight on rank 1"
 
+    class Broken:
+        @property
+        def value(self):
+            raise RuntimeError("no")
+
+    assert summarize_name({"b": Broken()}, "b.value", 0).text == "reading b.value raised RuntimeError on rank 0"
+
 
 def test_only_variable_names_and_dotted_paths_can_be_shown():
     assert check_names(["a", "model.weight.grad"]) == ("a", "model.weight.grad")

@@ -89,11 +89,13 @@ def summarize_name(namespace: dict[str, Any], name: str, rank: int) -> ValueSumm
     for depth, attribute in enumerate(attributes):
         try:
             value = getattr(value, attribute)
-        except Exception:
+        except Exception as error:
             where = ".".join([head, *attributes[:depth]])
-            return ValueSummary(
-                name, rank, "missing", text=f"{where} has no attribute {attribute} on rank {rank}"
+            why = (
+                f"{where} has no attribute {attribute}" if isinstance(error, AttributeError)
+                else f"reading {where}.{attribute} raised {type(error).__name__}"
             )
+            return ValueSummary(name, rank, "missing", text=f"{why} on rank {rank}")
     try:
         return summarize(value, name, rank)
     except Exception as error:  # a value whose own methods fail still gets a card
