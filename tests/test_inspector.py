@@ -261,3 +261,16 @@ def test_sixteen_ranks_draw_side_by_side(kernel):
     assert "rank 15: Tensor float32 (1,) on cpu = [15]" in data["text/plain"]
     assert data["text/html"].count('class="nl-card') == 32
     assert 'data-odd="true"' not in data["text/html"]  # every rank its own value: none singled out
+
+
+def test_unusual_tensors_still_get_a_card():
+    import numpy
+
+    meta = summarize_name({"m": torch.empty(3, device="meta")}, "m", 0)
+    assert meta.kind == "object" and "could not be summarised: NotImplementedError" in meta.text
+    assert summarize(torch.eye(2).to_sparse()).elements == ("1", "0", "0", "1")
+    array = summarize(numpy.arange(3.0))
+    assert (array.type_name, array.device, array.elements) == ("ndarray", "numpy", ("0", "1", "2"))
+    assert summarize(torch.tensor([1, 2], dtype=torch.uint16)).elements == ("1", "2")
+    assert summarize(torch.zeros(5, 0)).grid == ()
+    assert len(summarize(torch.ones(3, dtype=torch.float8_e4m3fn)).elements) == 3
