@@ -6,6 +6,7 @@ Loaded by ``%load_ext notebook_launcher``; IPython is imported only then.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import shlex
 import sys
@@ -170,7 +171,10 @@ class DistributedMagics(Magics):
             )
         except Exception:
             if shown is not None:
-                shown.after()  # what the failed cell left on the ranks is worth seeing too
+                # What the failed cell left on the ranks is worth seeing too; the cell's own
+                # error is what the cell raises, whatever happens to the drawing.
+                with contextlib.suppress(Exception):
+                    shown.after()
             raise
         self._shell.user_ns.update(session.returned)
         if shown is not None:
