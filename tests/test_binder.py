@@ -19,7 +19,7 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = sorted((ROOT / "examples").glob("*.ipynb"))
+EXAMPLES = sorted((ROOT / "examples").glob("*.ipynb")) + sorted((ROOT / "examples" / "course").glob("*.ipynb"))
 
 if sys.version_info >= (3, 11):
     import tomllib

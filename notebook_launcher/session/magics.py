@@ -6,6 +6,7 @@ Loaded by ``%load_ext notebook_launcher``; IPython is imported only then.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import shlex
 import sys
@@ -43,11 +44,15 @@ def _parsers() -> tuple[_Parser, _Parser]:
     pull = commands.add_parser("pull", add_help=False)
     pull.add_argument("name")
     pull.add_argument("--rank", type=int, default=0)
+    show = commands.add_parser("show", add_help=False)
+    show.add_argument("names", nargs="+")
+    show.add_argument("--ranks", type=int, nargs="+", default=None)
     for name in ("status", "restart", "stop"):
         commands.add_parser(name, add_help=False)
     cell = _Parser(prog="%%distributed", add_help=False, allow_abbrev=False)
     cell.add_argument("--ranks", type=int, nargs="+", default=None)
     cell.add_argument("--return", dest="returns", nargs="+", default=[])
+    cell.add_argument("--show", dest="show", nargs="+", default=[])
     return line, cell
 
 
@@ -55,7 +60,7 @@ def parse_line(line: str) -> argparse.Namespace:
     parsed = _parsers()[0].parse_args(shlex.split(line))
     if parsed.command is None:
         raise DistributedUsageError(
-            "%distributed needs a command: start, push, pull, status, restart or stop "
+            "%distributed needs a command: start, push, pull, show, status, restart or stop "
             "(e.g. %distributed start -n 2); %%distributed runs a cell on the ranks."
         )
     return parsed
@@ -122,6 +127,8 @@ class DistributedMagics(Magics):
                     "it in a cell first."
                 )
             session.push({n: self._shell.user_ns[n] for n in args.names})
+        elif args.command == "show":
+            _display(session.show(*args.names, ranks=args.ranks))
         elif args.command == "pull":
             self._shell.user_ns[args.name] = session.pull(args.name, rank=args.rank)
         return None
@@ -154,16 +161,58 @@ class DistributedMagics(Magics):
             hidden=self._shell.user_ns_hidden,
         )
         ranks = args.ranks if args.ranks is not None else list(range(session.plan.num_processes))
+        shown = _ShownAround(session, args.show) if args.show else None
         # The leading newline keeps line numbers in tracebacks equal to the cell's own,
         # whose first line is the %%distributed line.
-        values = session.execute(
-            "\n" + cell, ranks, names=names, returns=args.returns,
-            filename=f"In[{self._shell.execution_count}]",
-        )
+        try:
+            values = session.execute(
+                "\n" + cell, ranks, names=names, returns=args.returns,
+                filename=f"In[{self._shell.execution_count}]",
+            )
+        except Exception:
+            if shown is not None:
+                # What the failed cell left on the ranks is worth seeing too; the cell's own
+                # error is what the cell raises, whatever happens to the drawing.
+                with contextlib.suppress(Exception):
+                    shown.after()
+            raise
         self._shell.user_ns.update(session.returned)
+        if shown is not None:
+            shown.after()
         if all(value is None for value in values):
             return None
         return RankValues(ranks, values)
+
+
+def _display(inspection: Any) -> Any:
+    from IPython.display import display
+
+    return display(inspection, display_id=True)
+
+
+class _ShownAround:
+    """``%%distributed --show NAME``: NAME on every rank before the cell, then before and after."""
+
+    def __init__(self, session: Session, names: list[str]) -> None:
+        from notebook_launcher.session.inspect import check_names
+
+        self.session = session
+        self.names = check_names(names)
+        self.before = session.show(*self.names).stages[0][1]
+        self.handle = _display(self._inspection(None))
+
+    def _inspection(self, after: Any) -> Any:
+        from notebook_launcher.widgets.inspector import Inspection
+
+        stages = [("before the cell", self.before)]
+        if after is not None:
+            stages.append(("after the cell", after))
+        return Inspection(stages)
+
+    def after(self) -> None:
+        if not self.session.alive:
+            return  # a dead rank: the cell's error says why, and there is nothing to show
+        self.handle.update(self._inspection(self.session.show(*self.names).stages[0][1]))
 
 
 def load_ipython_extension(ipython: Any) -> None:

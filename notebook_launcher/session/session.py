@@ -240,6 +240,19 @@ class Session:
         reply = self._roundtrip([target], lambda seq: Pull(seq, name))[target]
         return cloudpickle.loads(reply.value or cloudpickle.dumps(None))
 
+    def show(self, *names: str, ranks: Sequence[int] | None = None) -> Any:
+        """Each rank's value of ``names`` (or dotted paths such as ``model.weight.grad``),
+        drawn side by side; equal values are marked, differing ones highlighted.
+
+        Summaries are computed on the ranks, so a large tensor sends only a few kilobytes.
+        Returns an :class:`~notebook_launcher.widgets.inspector.Inspection`, which Jupyter
+        shows as HTML (a static record) and whose ``stages`` hold the summaries.
+        """
+        from notebook_launcher.session.inspect import collect
+        from notebook_launcher.widgets.inspector import Inspection
+
+        return Inspection([("", collect(self, names, ranks))])
+
     @property
     def owned_names(self) -> set[str]:
         """Names that code on the ranks bound (or that were pushed): notebook values never replace them."""

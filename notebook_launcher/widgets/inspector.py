@@ -1,0 +1,338 @@
+"""The rank inspector's drawing: each rank's value side by side, as static HTML with SVG.
+
+Pure functions of the summaries the ranks sent (see ``session/inspect.py``). The result is
+an ordinary display output (HTML with the pictures as SVG images, and a plain-text twin), so it stays in the saved notebook
+and shows in nbconvert and on GitHub without a kernel. Every piece of user text is escaped,
+and the whole record is marked for MathJax to leave alone, so ``$`` stays a dollar sign.
+Colours are mid-tones on a shared scale per name, so equal values look equal on every rank
+and before and after a cell.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import html
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+from notebook_launcher.session.inspect import ValueSummary
+
+EQUAL_COLOUR = "#2ca02c"
+DIFFER_COLOUR = "#d62728"
+MISSING_COLOUR = "#8c6d31"
+NAN_COLOUR = "#e377c2"
+_CARD = (
+    "display: inline-block; vertical-align: top; margin: 0 8px 8px 0; padding: 6px 8px; "
+    "border-radius: 6px; min-width: 120px; max-width: 260px; font-size: 12px; line-height: 1.4;"
+)
+_MONO = "font-family: var(--jp-code-font-family, monospace);"
+_PICTURE_W = 220
+_SHOWN_ELEMENTS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What the ranks' values of one name have in common."""
+
+    equal: bool  # present on every rank shown, and the same everywhere
+    odd: frozenset[int]  # ranks whose value differs from the most common one (or is missing)
+    words: str
+
+
+def verdict(summaries: Sequence[ValueSummary]) -> Verdict:
+    present = [s for s in summaries if s.present]
+    missing = [s.rank for s in summaries if not s.present]
+    counts = Counter(s.key for s in present)
+    if not present:
+        return Verdict(False, frozenset(missing), "not defined on any rank shown")
+    if len(counts) == 1 and not missing:
+        if len(summaries) == 1:
+            return Verdict(True, frozenset(), "one rank shown")
+        return Verdict(True, frozenset(), f"equal on every rank ({len(summaries)})")
+    common, most = counts.most_common(1)[0]
+    # Outlined: ranks apart from a majority. When every rank holds its own value, none is.
+    apart = most > 1 or (len(present) == 1 and len(summaries) > 1)
+    odd = {s.rank for s in present if apart and s.key != common} | set(missing)
+    parts = []
+    if len(counts) > 1:
+        parts.append(f"differs across ranks ({len(counts)} different values)")
+    else:
+        parts.append("equal where defined")
+    if missing:
+        parts.append(f"missing on rank{'s' if len(missing) > 1 else ''} {_ranks(missing)}")
+    return Verdict(False, frozenset(odd), "; ".join(parts))
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+class Inspection:
+    """Each rank's values of some names, at one or more moments (e.g. before and after a cell).
+
+    Shown by Jupyter as HTML (``_repr_html_``) with a plain-text twin; ``stages`` holds the
+    summaries for code that wants the numbers.
+    """
+
+    def __init__(self, stages: Sequence[tuple[str, dict[str, list[ValueSummary]]]]) -> None:
+        self.stages = list(stages)
+
+    def verdicts(self, stage: int = -1) -> dict[str, Verdict]:
+        return {name: verdict(s) for name, s in self.stages[stage][1].items()}
+
+    def __repr__(self) -> str:
+        return render_text(self.stages)
+
+    def _repr_pretty_(self, printer: object, cycle: bool) -> None:
+        printer.text(repr(self))  # type: ignore[attr-defined]
+
+    def _repr_html_(self) -> str:
+        return render_html(self.stages)
+
+    def _repr_mimebundle_(self, include: object = None, exclude: object = None) -> dict[str, str]:
+        return {"text/plain": repr(self), "text/html": self._repr_html_()}
+
+
+# Plain text -----------------------------------------------------------------------------
+
+
+def render_text(stages: Sequence[tuple[str, dict[str, list[ValueSummary]]]]) -> str:
+    lines: list[str] = []
+    for label, names in stages:
+        for name, summaries in names.items():
+            head = f"{name}: {verdict(summaries).words}"
+            lines.append(f"{label}: {head}" if label else head)
+            lines += [f"  rank {s.rank}: {describe(s)}" for s in summaries]
+    return "\n".join(lines)
+
+
+def describe(s: ValueSummary) -> str:
+    """One line for one rank's value (also the cards' text)."""
+    if not s.present:
+        return f"not defined ({s.text})"
+    if s.kind != "tensor":
+        return f"{s.type_name} {s.text}"
+    shape = "(" + ", ".join(str(d) for d in s.shape) + ("," if len(s.shape) == 1 else "") + ")"
+    what = f"{s.type_name} {s.dtype} {shape} on {s.device}"
+    if s.note:
+        what += f", {s.note}"
+    if s.elements:
+        shown = ", ".join(s.elements[:_SHOWN_ELEMENTS])
+        more = ", …" if len(s.elements) > _SHOWN_ELEMENTS else ""
+        what += f" = {s.text}" if s.shape == () else f" = [{shown}{more}]"
+    else:
+        what += f", {s.numel:,} elements"
+    stats = _stats(s)
+    return f"{what}; {stats}" if stats and s.numel > 1 else what
+
+
+def _stats(s: ValueSummary) -> str:
+    parts = []
+    if s.minimum is not None and s.maximum is not None and s.mean is not None:
+        parts.append(f"min {_num(s.minimum)}, max {_num(s.maximum)}, mean {_num(s.mean)}")
+    if s.nan:
+        parts.append(f"{s.nan:,} NaN")
+    if s.inf:
+        parts.append(f"{s.inf:,} inf")
+    return ", ".join(parts)
+
+
+def _num(x: float) -> str:
+    return f"{x:.4g}"
+
+
+# HTML -------------------------------------------------------------------------------------
+
+
+def render_html(stages: Sequence[tuple[str, dict[str, list[ValueSummary]]]]) -> str:
+    scales = _scales(stages)
+    parts = [
+        '<div class="notebook-launcher-inspector tex2jax_ignore mathjax_ignore" '
+        'style="font-size: 12.5px; margin: 2px 0;">'
+    ]
+    for label, names in stages:
+        for name, summaries in names.items():
+            parts.append(_name_html(label, name, summaries, scales.get(name)))
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _name_html(label: str, name: str, summaries: list[ValueSummary], scale: tuple[float, float] | None) -> str:
+    v = verdict(summaries)
+    colour = EQUAL_COLOUR if v.equal else DIFFER_COLOUR
+    mark = "=" if v.equal else "≠"
+    stage = f'<span style="opacity: 0.7;">{html.escape(label)}:</span> ' if label else ""
+    head = (
+        f'<div style="margin: 4px 0;">{stage}<b style="{_MONO}">{html.escape(name)}</b> '
+        f'<span class="nl-verdict" data-equal="{str(v.equal).lower()}" style="background: {colour}; '
+        f'color: white; border-radius: 9px; padding: 0 8px; font-size: 11.5px;">{mark} {html.escape(v.words)}</span></div>'
+    )
+    cards = "".join(_card_html(s, s.rank in v.odd, scale) for s in summaries)
+    return f'<div class="nl-name" data-name="{html.escape(name)}">{head}<div>{cards}</div></div>'
+
+
+def _card_html(s: ValueSummary, odd: bool, scale: tuple[float, float] | None) -> str:
+    if not s.present:
+        border = MISSING_COLOUR
+    else:
+        border = DIFFER_COLOUR if odd else "rgba(128, 128, 128, 0.45)"
+    style = f"{_CARD} border: {'2px' if odd else '1px'} solid {border};"
+    if odd:
+        style += " background: rgba(214, 39, 40, 0.07);"
+    title = f'<div style="font-weight: 600;">rank {s.rank}</div>'
+    if not s.present:
+        body = f'<div style="color: {MISSING_COLOUR}; font-weight: 600;">not defined</div><div>{html.escape(s.text)}</div>'
+    elif s.kind == "tensor":
+        body = _tensor_html(s, scale)
+    else:
+        body = (
+            f'<div style="opacity: 0.7;">{html.escape(s.type_name)}</div>'
+            f'<div style="{_MONO} white-space: pre-wrap; word-break: break-all; font-size: '
+            f'{"16px" if s.kind == "number" else "12px"};">{html.escape(s.text)}</div>'
+        )
+    return (
+        f'<div class="nl-card nl-{s.kind}" data-rank="{s.rank}" data-odd="{str(odd).lower()}" '
+        f'style="{style}">{title}{body}</div>'
+    )
+
+
+def _tensor_html(s: ValueSummary, scale: tuple[float, float] | None) -> str:
+    shape = "(" + ", ".join(str(d) for d in s.shape) + ("," if len(s.shape) == 1 else "") + ")"
+    lines = [f'<div style="{_MONO}">{html.escape(s.dtype)} {shape} {html.escape(s.device)}</div>']
+    if s.note:
+        lines.append(f'<div style="opacity: 0.75;">{html.escape(s.note)}</div>')
+    if s.shape == ():
+        lines.append(f'<div style="{_MONO} font-size: 16px;">{html.escape(s.text)}</div>')
+    elif s.grid:
+        lines.append(_svg(s, scale))
+        if s.grid_note:
+            lines.append(f'<div style="opacity: 0.65; font-size: 11px;">{html.escape(s.grid_note)}</div>')
+    if s.elements and s.shape != ():
+        # The picture shows a matrix's values; its text stays short.
+        limit = _SHOWN_ELEMENTS if len(s.shape) == 1 else _SHOWN_ELEMENTS // 2
+        shown = ", ".join(_short(e) for e in s.elements[:limit]) + (", …" if len(s.elements) > limit else "")
+        lines.append(f'<div style="{_MONO} word-break: break-all;">[{html.escape(shown)}]</div>')
+    elif s.numel > _SHOWN_ELEMENTS:
+        lines.append(f"<div>{s.numel:,} elements</div>")
+    stats = _stats(s)
+    if stats and s.numel > 1:
+        lines.append(f'<div style="opacity: 0.75;">{html.escape(stats)}</div>')
+    return "".join(lines)
+
+
+def _short(element: str) -> str:
+    try:
+        return f"{float(element):.4g}"
+    except ValueError:  # True, 1+2j
+        return element
+
+
+def _scales(stages: Sequence[tuple[str, dict[str, list[ValueSummary]]]]) -> dict[str, tuple[float, float]]:
+    """One colour scale per name, over every rank and stage: equal values, equal colours."""
+    found: dict[str, tuple[float, float]] = {}
+    for _, names in stages:
+        for name, summaries in names.items():
+            for s in summaries:
+                finite = [x for row in s.grid for x in row if math.isfinite(x)]
+                if not finite:
+                    continue
+                low, high = min(finite), max(finite)
+                if name in found:
+                    low, high = min(low, found[name][0]), max(high, found[name][1])
+                found[name] = (low, high)
+    return found
+
+
+def _colour(x: float, scale: tuple[float, float]) -> str:
+    if math.isnan(x):
+        return NAN_COLOUR
+    low, high = scale
+    if low < 0 < high:  # diverging around zero: blue for negative, red for positive
+        bound = max(-low, high)
+        t = max(-1.0, min(1.0, x / bound))
+        if t < 0:
+            return _mix((247, 247, 247), (33, 102, 172), -t)
+        return _mix((247, 247, 247), (178, 24, 43), t)
+    span = high - low
+    t = 0.5 if span == 0 else (min(max(x, low), high) - low) / span
+    return _mix((222, 235, 247), (8, 48, 107), t)
+
+
+def _ink(fill: str) -> str:
+    """Dark text on light cells, white on dark ones."""
+    r, g, b = (int(fill[i : i + 2], 16) for i in (1, 3, 5))
+    return "#222" if 0.299 * r + 0.587 * g + 0.114 * b > 140 else "#fff"
+
+
+def _mix(a: tuple[int, int, int], b: tuple[int, int, int], t: float) -> str:
+    r, g, bl = (round(p + (q - p) * t) for p, q in zip(a, b))
+    return f"#{r:02x}{g:02x}{bl:02x}"
+
+
+def _svg(s: ValueSummary, scale: tuple[float, float] | None) -> str:
+    scale = scale or (0.0, 1.0)
+    if len(s.shape) == 1:
+        return _bars(s, scale)
+    rows, cols = len(s.grid), len(s.grid[0])
+    cell = max(4, min(24, _PICTURE_W // cols, 160 // rows))
+    label = s.elements and cell >= 22  # small enough to write each value in its cell
+    rects = []
+    for i, row in enumerate(s.grid):
+        for j, x in enumerate(row):
+            tip = s.elements[i * cols + j] if s.elements else _num(x)
+            rects.append(
+                f'<rect x="{j * cell}" y="{i * cell}" width="{cell}" height="{cell}" '
+                f'fill="{_colour(x, scale)}"/>'
+            )
+            if label:
+                rects.append(
+                    f'<text x="{j * cell + cell / 2}" y="{i * cell + cell / 2 + 3.5}" font-size="9" '
+                    f'font-family="sans-serif" text-anchor="middle" fill="{_ink(_colour(x, scale))}">'
+                    f"{html.escape(_short(tip)[:4])}</text>"
+                )
+    w, h = cols * cell, rows * cell
+    return _image(
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}">'
+        f'{"".join(rects)}</svg>', w, h, f"heatmap of {s.name} on rank {s.rank}",
+        "border: 1px solid rgba(128,128,128,0.4);",
+    )
+
+
+def _image(svg: str, width: int, height: int, alt: str, style: str = "") -> str:
+    """The SVG as an image: frontends that sanitise HTML (JupyterLab for a notebook it did
+    not run) drop inline SVG but keep images, and nothing in an image can run."""
+    data = base64.b64encode(svg.encode()).decode()
+    return (
+        f'<img class="nl-picture" alt="{html.escape(alt)}" width="{width}" height="{height}" '
+        f'style="display: block; margin: 3px 0; {style}" src="data:image/svg+xml;base64,{data}">'
+    )
+
+
+def _bars(s: ValueSummary, scale: tuple[float, float]) -> str:
+    values = s.grid[0]
+    n = len(values)
+    width = max(3, min(24, _PICTURE_W // n))
+    h = 60
+    low, high = min(scale[0], 0.0), max(scale[1], 0.0)
+    span = (high - low) or 1.0
+    zero = h - (0 - low) / span * h
+    items = [f'<line x1="0" x2="{n * width}" y1="{zero:.1f}" y2="{zero:.1f}" stroke="#888" stroke-width="0.5"/>']
+    for i, x in enumerate(values):
+        if math.isnan(x):
+            top, bottom, fill = 0.0, float(h), NAN_COLOUR
+        else:
+            y = h - (min(max(x, low), high) - low) / span * h
+            top, bottom, fill = min(y, zero), max(y, zero), _colour(x, scale)
+            if math.isinf(x):
+                fill = "#111"
+        items.append(
+            f'<rect x="{i * width + 0.5}" y="{top:.1f}" width="{width - 1}" height="{max(bottom - top, 1):.1f}" '
+            f'fill="{fill}" stroke="#555" stroke-width="0.3"/>'
+        )
+    w = n * width
+    return _image(
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}">'
+        f'{"".join(items)}</svg>', w, h, f"bar chart of {s.name} on rank {s.rank}",
+    )
