@@ -245,8 +245,8 @@ class Session:
         drawn side by side; equal values are marked, differing ones highlighted.
 
         Summaries are computed on the ranks, so a large tensor sends only a few kilobytes.
-        Returns an :class:`~notebook_launcher.widgets.inspector.Inspection`, which Jupyter
-        shows as HTML (a static record) and whose ``stages`` hold the summaries.
+        Returns an ``Inspection``, which Jupyter shows as HTML (a static record) and whose
+        ``stages`` hold the summaries.
         """
         from notebook_launcher.session.inspect import collect
         from notebook_launcher.widgets.inspector import Inspection
