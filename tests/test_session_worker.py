@@ -43,8 +43,27 @@ def test_a_syntax_error_names_the_cell_and_line():
 
 def test_used_names_include_those_read_inside_functions_and_classes():
     code = "def g():\n    return helper(lr)\nclass M(Base):\n    size = width\nout = g()"
-    assert {"helper", "lr", "Base", "width", "g"} <= used_names(code)
-    assert "out" not in used_names(code)
+    assert used_names(code) == {"helper", "lr", "Base", "width"}  # g is the cell's own by then
+
+
+def test_a_name_the_cell_binds_before_reading_it_is_not_the_notebooks():
+    assert used_names("gen = 5\ngen") == set()
+    assert used_names("x = x + 1") == {"x"}
+    assert used_names("for i in range(n):\n    total = total + i") == {"range", "n", "total"}
+    assert used_names("def f(a, b=c):\n    d = a\n    return d + e\nf(1)") == {"c", "e"}
+    assert used_names("[y for y in z if y > w]") == {"z", "w"}
+    assert used_names("if c:\n    v = 1\nelse:\n    v = 2\nv") == {"c"}
+    assert used_names("if c:\n    v = 1\nv") == {"c", "v"}  # maybe unbound: the notebook's is sent
+    assert used_names("import numpy as np\nnp.zeros(3)") == set()
+    assert used_names("try:\n    q = 1\nexcept E as err:\n    print(err)\nq") == {"E", "print", "q"}
+
+
+def test_an_unpicklable_notebook_value_the_cell_replaces_first_is_not_sent():
+    def gen():
+        yield 1
+
+    user_ns = {"gen": gen(), "lr": 0.1}
+    assert notebook_values("gen = 5\ngen * lr", user_ns) == {"lr": 0.1}
 
 
 def test_only_notebook_names_the_cell_uses_are_sent_and_owned_names_are_skipped():
