@@ -11,6 +11,7 @@ import contextlib
 import functools
 import shlex
 import sys
+import traceback
 from typing import Any, Callable
 
 from IPython.core.error import UsageError
@@ -25,10 +26,18 @@ from notebook_launcher.session.worker import BASE_NAMES
 class DistributedUsageError(LaunchConfigError, UsageError):
     """A ``%distributed`` line that cannot be understood (IPython shows it without a traceback)."""
 
+    def _render_traceback_(self) -> list[str]:
+        # IPython drops the traceback of UsageError itself only, not of its subclasses.
+        return f"{type(self).__name__}: {self}".splitlines()
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # argparse would exit the kernel's process
-        raise DistributedUsageError(f"{self.prog}: {message}. Usage: {self.format_usage().strip()}")
+        raise DistributedUsageError(f"{self.prog}: {message}. Usage: {_usage(self)}")
+
+
+def _usage(parser: argparse.ArgumentParser) -> str:
+    return parser.format_usage().strip().removeprefix("usage: ")
 
 
 @functools.cache  # building them costs about a millisecond a cell
@@ -59,7 +68,7 @@ def _words(prog: str, line: str) -> list[str]:
     except ValueError as error:  # "No closing quotation", "No escaped character"
         raise DistributedUsageError(
             f"{prog} {line.strip()}: {error}; the line is split like a shell command line, so "
-            f"close the quote or escape it. Usage: {_parsers()[0 if prog == '%distributed' else 1].format_usage().strip()}"
+            f"close the quote or escape it. Usage: {_usage(_parsers()[0 if prog == '%distributed' else 1])}"
         ) from None
 
 
@@ -102,7 +111,13 @@ def rank_code(cell: str, transformed: str, filename: str) -> tuple[str, ast.Modu
             "the ranks cannot run: they are plain Python processes without IPython."
         )
     code = "\n" + transformed
-    tree = ast.parse(code, filename, "exec")  # a SyntaxError names the cell's own line
+    try:
+        tree = ast.parse(code, filename, "exec")  # a SyntaxError names the cell's own line
+    except SyntaxError as error:
+        shown = "".join(traceback.format_exception_only(type(error), error)).rstrip("\n")
+        raise DistributedUsageError(
+            f"%%distributed: the cell has a syntax error, so it was not sent to the ranks:\n{shown}"
+        ) from None
     return code, tree
 
 
