@@ -129,7 +129,7 @@ def test_ranks_do_not_outlive_a_killed_kernel():
         everything = psutil.Process(doomed.pid).children(recursive=True)
         assert len(rank_processes(doomed.pid)) == 2
         os.kill(doomed.pid, signal.SIGKILL)
-        _, alive = psutil.wait_procs(everything, timeout=10)
+        _, alive = psutil.wait_procs(everything, timeout=60)  # returns as soon as all are gone
         assert alive == [], f"processes survived their kernel: {alive}"
     finally:
         doomed.shutdown()

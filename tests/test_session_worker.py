@@ -110,3 +110,30 @@ def test_a_wrong_magic_line_says_what_is_wrong_without_ending_the_kernel():
 def test_each_ranks_value_is_shown_on_its_own_line():
     assert repr(RankValues([0, 1], [1, "a"])) == "[rank0]: 1\n[rank1]: 'a'"
     assert RankValues([1], [5]) == [5]
+
+
+def test_the_sealed_store_hides_names_and_values_and_refuses_a_forged_value():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from notebook_launcher.session.sealed_store import ForgedStoreValue, SealedStore
+
+    inner = dist.HashStore()
+    sealed = SealedStore(inner, b"s" * 32, generation=0)
+    sealed.set("rank_0", b"127.0.0.1:29500")
+    assert sealed.get("rank_0") == b"127.0.0.1:29500"
+    sealed.wait(["rank_0"], timedelta(seconds=5))
+    assert sealed.add("count", 2) == 2 and sealed.check(["rank_0", "count"])
+    (name,) = [key for key in _store_keys(inner) if inner.get(key) != b"2"]
+    assert "rank_0" not in name and b"127.0.0.1" not in inner.get(name)
+    # Another generation, or another secret, names the same key differently.
+    assert not SealedStore(inner, b"s" * 32, generation=1).check(["rank_0"])
+    assert not SealedStore(inner, b"t" * 32, generation=0).check(["rank_0"])
+    inner.set(name, b"127.0.0.1:1" + b"\0" * 48)
+    with pytest.raises(ForgedStoreValue, match=r"^a rendezvous store value failed its check: a process without the session's secret wrote it"):
+        sealed.get("rank_0")
+
+
+def _store_keys(store) -> list[str]:
+    return list(store.list_keys())

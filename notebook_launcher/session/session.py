@@ -404,10 +404,15 @@ class Session:
                 )
         replies = [ranks.replies.pop((r, seq), None) for r in everyone]
         if ranks.exited or any(reply is None or reply.failure is not None for reply in replies):
-            self._end()
+            why = next(
+                (f" (rank {r}: {reply.failure.exception_type}: {reply.failure.message})"
+                 for r, reply in zip(everyone, replies) if reply is not None and reply.failure is not None),
+                "",
+            )
+            self._end("its process group could not be rebuilt")
             raise SessionError(
                 "a collective was interrupted and left the process group broken, and it could "
-                f"not be rebuilt. {_RESTART_HINT}; names defined on the old ranks are lost."
+                f"not be rebuilt{why}. {_RESTART_HINT}; names defined on the old ranks are lost."
             )
 
     def _end(self, reason: str = "its ranks were stopped") -> None:
