@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import time
 
 import psutil
@@ -155,3 +156,13 @@ def test_ranks_hold_none_of_the_kernels_listening_sockets(kernel):
     for rank in ranks:
         held = {c.laddr.port for c in rank.net_connections("inet") if c.status == psutil.CONN_LISTEN}
         assert not held & kernel_ports, f"rank {rank.pid} holds the kernel's ports {held & kernel_ports}"
+    # A launch's ranks start the same way.
+    launched = run_ok(
+        kernel,
+        "import psutil\nfrom notebook_launcher import debug_launcher\n"
+        "def listening():\n"
+        "    return sorted(c.laddr.port for c in psutil.Process().net_connections('inet') if c.status == 'LISTEN')\n"
+        "held_by_rank = debug_launcher(listening, num_processes=1)\nheld_by_rank",
+    )
+    held = set(ast.literal_eval(launched.result))  # the list of port numbers the kernel shows
+    assert not held & kernel_ports, f"a launched rank holds the kernel's ports {held & kernel_ports}"
