@@ -162,6 +162,22 @@ def _inside_scope(node: ast.AST) -> bool:
     return isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda))
 
 
+def _loaded_and_bound(tree: ast.AST) -> tuple[set[str], set[str]]:
+    """Every name read anywhere, and every name bound anywhere, in one pass."""
+    loaded: set[str] = set()
+    bound: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (loaded if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.alias):
+            bound.add(node.asname or node.name.split(".")[0])
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return loaded, bound
+
+
 def notebook_values(
     code: str | ast.Module, user_ns: Mapping[str, Any], skip: set[str] | frozenset[str] = frozenset(),
     hidden: Mapping[str, Any] | None = None,
@@ -172,10 +188,16 @@ def notebook_values(
     Raises LaunchConfigError naming the variable when a value cannot travel by value.
     """
     hidden = hidden or {}
+    tree = ast.parse(code) if isinstance(code, str) else code
+    loaded, bound = _loaded_and_bound(tree)
+    wanted = {
+        name for name in loaded
+        if name in user_ns and name not in skip and name not in _IPYTHON_NAMES and not name.startswith("_")
+    }
+    if wanted & bound:  # the order of reads and writes decides; in most cells nothing is both
+        wanted &= used_names(tree)
     chosen: dict[str, Any] = {}
-    for name in sorted(used_names(code)):
-        if name in skip or name in _IPYTHON_NAMES or name.startswith("_") or name not in user_ns:
-            continue
+    for name in sorted(wanted):
         value = user_ns[name]
         if name in hidden and hidden[name] is value:
             continue  # put there by IPython or an extension, not by the user

@@ -9,6 +9,7 @@ import argparse
 import ast
 import contextlib
 import functools
+import re
 import shlex
 import sys
 import traceback
@@ -84,6 +85,19 @@ def parse_line(line: str) -> argparse.Namespace:
 
 def parse_cell_line(line: str) -> argparse.Namespace:
     return _parsers()[1].parse_args(_words("%%distributed", line))
+
+
+# Where none of these occur, IPython's input transformations leave a cell as it is (they
+# act on magics, !cmd, help?, /,; escapes, a first line's indentation and pasted prompts),
+# and a cell skips them: they cost about as much as the rest of the kernel's part of a cell.
+_MAYBE_IPYTHON_SYNTAX = re.compile(r"[%!?]|^[ \t]*[/,;]|\A\s*(>>>|In \[|\.\.\.|[ \t])", re.MULTILINE)
+
+
+def transform_cell(shell: Any, cell: str) -> str:
+    """The cell after IPython's input transformations (skipped where they change nothing)."""
+    if _MAYBE_IPYTHON_SYNTAX.search(cell) is None:
+        return cell
+    return str(shell.transform_cell(cell))
 
 
 def rank_code(cell: str, transformed: str, filename: str) -> tuple[str, ast.Module]:
@@ -217,7 +231,7 @@ class DistributedMagics(Magics):
 
     def _cell(self, args: argparse.Namespace, cell: str) -> Any:
         filename = f"In[{self._shell.execution_count}]"
-        code, tree = rank_code(cell, self._shell.transform_cell(cell), filename)
+        code, tree = rank_code(cell, transform_cell(self._shell, cell), filename)
         if self.session is None:
             self.session = self._hold_presses(Session())
             print(
