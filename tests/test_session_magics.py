@@ -114,3 +114,8 @@ def test_returned_names_say_which_rank_they_came_from(ip, capsys):
     ip.run_cell_magic("distributed", "--ranks 1 --return who", "who = rank")
     assert ip.user_ns["who"] == 1
     assert "notebook_launcher: who set in the notebook from rank 1.\n" in capsys.readouterr().err
+
+
+def test_a_cell_magic_inside_a_distributed_cell_is_refused(ip):
+    with pytest.raises(DistributedUsageError, match=r"^%%distributed: the cell uses IPython syntax \(a cell magic such as %%time\), which the ranks cannot run"):
+        ip.run_cell_magic("distributed", "", "%%time\nx = 1\ny = 2")

@@ -121,8 +121,9 @@ def rank_code(cell: str, transformed: str, filename: str) -> tuple[str, ast.Modu
                 )
     elif "get_ipython()" in transformed and "get_ipython()" not in cell:
         raise DistributedUsageError(
-            "%%distributed: the cell uses IPython syntax (a magic, a shell command or help), which "
-            "the ranks cannot run: they are plain Python processes without IPython."
+            "%%distributed: the cell uses IPython syntax (a cell magic such as %%time), which the "
+            "ranks cannot run: they are plain Python processes without IPython. Write it in Python "
+            "on the ranks, or run it in a cell of its own."
         )
     code = "\n" + transformed
     try:
