@@ -112,7 +112,7 @@ def test_a_rank_killed_between_cells_is_named_in_the_next_cell_and_restart_works
     os.kill(victim, signal.SIGKILL)
     wait_until_ended(victim)
     status = run_ok(kernel, "%distributed status")
-    assert "stopped:" in status.stdout and "SIGKILL" in status.stdout
+    assert "stopped:" in status.stdout and "SIGKILL" in status.stdout, status
     cell = kernel.run("%%distributed\nrank")
     assert cell.error["ename"] == "SessionError"
     assert f"Rank 1 (pid {victim}) was killed by SIGKILL" in cell.error["evalue"]
