@@ -7,7 +7,8 @@ noise hits both alike:
 1. inside one process: ``Session.execute`` against ``DirectView.execute(block=True)``
    (what ``%%px`` calls);
 2. through a real Jupyter kernel, as a notebook client sees a cell (execute request to
-   idle): ``%%distributed`` against ``%%px``.
+   idle): ``%%distributed`` against ``%%px``, with that cell and with an empty one, next
+   to the kernel's own round trip for an empty plain cell.
 
 Also: starting a session of 2 CPU ranks against a fresh ``notebook_launcher()`` launch and
 ipyparallel's cluster start; and how long a failure on one rank (while the other waits in
@@ -214,6 +215,8 @@ def through_kernel(cells: int) -> None:
         times = interleave(
             {
                 "an empty cell (the kernel's own round trip)": lambda: run("pass"),
+                "ours: empty %%distributed cell": lambda: run("%%distributed\npass"),
+                "ipyparallel: empty %%px cell": lambda: run("%%px\npass"),
                 "ours: %%distributed cell": lambda: run("%%distributed\n" + CELL),
                 "ipyparallel: %%px cell": lambda: run("%%px\n" + CELL),
             },

@@ -93,7 +93,7 @@ def test_a_failing_rank_raises_its_own_error_and_interrupts_the_rank_waiting_in_
     assert isinstance(error, RankFailedError)
     text = str(error)
     assert "Rank(s) 0 were still running the cell and were interrupted." in text
-    assert "the process group was rebuilt" in text
+    assert "The process group was rebuilt (a collective may have been left half-done), so the next cell can use collectives again; the names defined so far are kept." in text
     assert 'File "In[12]", line 3, in <module>' in text
     assert "raise ValueError(f'bad batch on rank {rank}')" in text
     assert error.failures[0].rank == 1
@@ -117,7 +117,7 @@ def test_the_stop_button_interrupts_every_rank_and_the_session_survives():
 
     with Session(num_processes=2, hardware="cpu", observers=[StopButton()]) as session:
         session.execute("y = rank")
-        with pytest.raises(KeyboardInterrupt, match=r"the cell was interrupted on rank\(s\) 0, 1; the session is ready"):
+        with pytest.raises(KeyboardInterrupt, match=r"^the cell was interrupted on rank\(s\) 0, 1; the process group was rebuilt; the session is ready for the next cell\.$"):
             session.execute("import time\nprint('sleeping', flush=True)\ntime.sleep(600)")
         assert session.alive
         assert session.execute("y") == [0, 1]
@@ -227,7 +227,7 @@ def test_a_rank_that_ignores_the_interrupt_is_reported_and_a_second_interrupt_en
         presser = threading.Thread(target=second_press)
         presser.start()
         try:
-            with pytest.raises(KeyboardInterrupt):
+            with pytest.raises(KeyboardInterrupt, match=r"^stopped every rank of the session: rank\(s\) 0, 1 did not come back from the interrupt\. Restart the session"):
                 session.execute(
                     "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
                     "print('deaf', flush=True)\ntime.sleep(600)"
@@ -235,8 +235,9 @@ def test_a_rank_that_ignores_the_interrupt_is_reported_and_a_second_interrupt_en
         finally:
             presser.join()
         assert not session.alive
-        with pytest.raises(SessionError, match=r"the session has no usable ranks: .*Restart the session"):
+        with pytest.raises(SessionError, match=r"^the session has no usable ranks: it was stopped from the notebook while rank\(s\) 0, 1 did not come back from an interrupt\. Restart the session") as caught:
             session.execute("1")
+        assert "Rank -1" not in str(caught.value)
 
 
 def test_restart_of_a_closed_session_and_code_that_is_not_text_say_what_to_do():
@@ -263,3 +264,66 @@ def test_a_rank_that_segfaults_during_a_cell_is_named_with_its_crash_report():
             session.execute("import ctypes\nif rank == 1:\n    ctypes.string_at(0)\n")
         assert "Fatal Python error: Segmentation fault" in str(caught.value)
         assert not session.alive
+
+
+STRANGER = r"""
+import json, sys
+from datetime import timedelta
+import torch.distributed as dist
+
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 1, is_master=False, timeout=timedelta(seconds=10))
+keys = store.list_keys()
+values = {key: store.get(key).hex() for key in keys}
+for key in keys:  # overwrite everything there is
+    store.set(key, b"127.0.0.1:1")
+    # and what the next generations of the group would read, were the names guessable
+    for generation in range(1, 4):
+        store.set(key.replace("/0/", f"/{generation}/", 1), b"127.0.0.1:1")
+store.set("rank_0", b"127.0.0.1:1")
+print(json.dumps({"keys": keys, "values": values}))
+"""
+
+
+def test_a_stranger_on_the_store_port_learns_nothing_and_cannot_break_the_session():
+    import json
+    import subprocess
+    import sys
+
+    with Session(num_processes=2, hardware="cpu") as session:
+        session.execute("kept = rank")
+        port, = set(session.execute("import os\nos.environ['MASTER_PORT']"))
+        stranger = subprocess.run(
+            [sys.executable, "-c", STRANGER, port], capture_output=True, text=True, timeout=120, check=True
+        )
+        seen = json.loads(stranger.stdout)
+        assert seen["keys"], "the stranger found no keys at all: nothing was tested"
+        for key in seen["keys"]:
+            assert len(key) == 64 and all(c in "0123456789abcdef" for c in key), key
+        for value in seen["values"].values():
+            assert b"127.0.0.1" not in bytes.fromhex(value) and b"cpu" not in bytes.fromhex(value)
+        # A failing cell rebuilds the process group from the store: it must still work.
+        code = "if rank == 1:\n    raise ValueError('on purpose')\ntorch.distributed.all_reduce(torch.ones(2))"
+        for _ in range(2):
+            with pytest.raises(ValueError, match=r"^Rank 1 \(pid \d+\) raised ValueError: on purpose\."):
+                session.execute(code)
+        assert session.execute("kept") == [0, 1]
+        assert session.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
+
+
+def test_returned_names_say_their_rank_and_are_cleared_by_the_next_call(session):
+    session.execute("ret = rank * 3", returns=["ret"], ranks=[1, 0])
+    assert session.returned == {"ret": 3} and session.returned_rank == 1
+    session.execute("1")
+    assert session.returned == {} and session.returned_rank is None
+    session.execute("ret", returns=["ret"])
+    session.returned.clear()
+    assert session.returned == {}
+
+
+def test_push_of_a_value_that_cannot_be_pickled_names_it(session):
+    import threading
+
+    from notebook_launcher.errors import LaunchConfigError
+
+    with pytest.raises(LaunchConfigError, match=r"^push\(\) was given the notebook's 'lk' \(a _thread.lock\), which cannot be sent to the ranks: TypeError: .*Create it on the ranks instead"):
+        session.push({"lk": threading.Lock()})

@@ -6,6 +6,7 @@ import pytest
 from IPython.testing.globalipapp import start_ipython
 
 from notebook_launcher import RankFailedError, SessionError
+from notebook_launcher.errors import LaunchConfigError
 from notebook_launcher.session.magics import DistributedMagics, DistributedUsageError
 
 pytestmark = pytest.mark.slow
@@ -96,3 +97,25 @@ def test_restart_forgets_and_stop_ends(ip, capsys):
         session.execute("1")
     with pytest.raises(DistributedUsageError, match=r"no session is running; %distributed start -n 2 starts one"):
         ip.run_line_magic("distributed", "pull x")
+
+
+def test_push_of_a_lock_and_an_unclosed_quote_say_what_is_wrong(ip):
+    ip.run_line_magic("distributed", "start -n 2 --hardware cpu")
+    ip.run_cell("import threading\nlk = threading.Lock()")
+    with pytest.raises(LaunchConfigError, match=r"^push\(\) was given the notebook's 'lk' \(a _thread.lock\), which cannot be sent to the ranks"):
+        ip.run_line_magic("distributed", "push lk")
+    with pytest.raises(DistributedUsageError, match=r"^%distributed start -n 2 'x: No closing quotation; the line is split like a shell command line, so close the quote or escape it\. Usage: %distributed"):
+        ip.run_line_magic("distributed", "start -n 2 'x")
+    with pytest.raises(DistributedUsageError, match=r"^%%distributed --ranks '0: No closing quotation"):
+        ip.run_cell_magic("distributed", "--ranks '0", "1")
+
+
+def test_returned_names_say_which_rank_they_came_from(ip, capsys):
+    ip.run_cell_magic("distributed", "--ranks 1 --return who", "who = rank")
+    assert ip.user_ns["who"] == 1
+    assert "notebook_launcher: who set in the notebook from rank 1.\n" in capsys.readouterr().err
+
+
+def test_a_cell_magic_inside_a_distributed_cell_is_refused(ip):
+    with pytest.raises(DistributedUsageError, match=r"^%%distributed: the cell uses IPython syntax \(a cell magic such as %%time\), which the ranks cannot run"):
+        ip.run_cell_magic("distributed", "", "%%time\nx = 1\ny = 2")

@@ -43,8 +43,27 @@ def test_a_syntax_error_names_the_cell_and_line():
 
 def test_used_names_include_those_read_inside_functions_and_classes():
     code = "def g():\n    return helper(lr)\nclass M(Base):\n    size = width\nout = g()"
-    assert {"helper", "lr", "Base", "width", "g"} <= used_names(code)
-    assert "out" not in used_names(code)
+    assert used_names(code) == {"helper", "lr", "Base", "width"}  # g is the cell's own by then
+
+
+def test_a_name_the_cell_binds_before_reading_it_is_not_the_notebooks():
+    assert used_names("gen = 5\ngen") == set()
+    assert used_names("x = x + 1") == {"x"}
+    assert used_names("for i in range(n):\n    total = total + i") == {"range", "n", "total"}
+    assert used_names("def f(a, b=c):\n    d = a\n    return d + e\nf(1)") == {"c", "e"}
+    assert used_names("[y for y in z if y > w]") == {"z", "w"}
+    assert used_names("if c:\n    v = 1\nelse:\n    v = 2\nv") == {"c"}
+    assert used_names("if c:\n    v = 1\nv") == {"c", "v"}  # maybe unbound: the notebook's is sent
+    assert used_names("import numpy as np\nnp.zeros(3)") == set()
+    assert used_names("try:\n    q = 1\nexcept E as err:\n    print(err)\nq") == {"E", "print", "q"}
+
+
+def test_an_unpicklable_notebook_value_the_cell_replaces_first_is_not_sent():
+    def gen():
+        yield 1
+
+    user_ns = {"gen": gen(), "lr": 0.1}
+    assert notebook_values("gen = 5\ngen * lr", user_ns) == {"lr": 0.1}
 
 
 def test_only_notebook_names_the_cell_uses_are_sent_and_owned_names_are_skipped():
@@ -91,3 +110,30 @@ def test_a_wrong_magic_line_says_what_is_wrong_without_ending_the_kernel():
 def test_each_ranks_value_is_shown_on_its_own_line():
     assert repr(RankValues([0, 1], [1, "a"])) == "[rank0]: 1\n[rank1]: 'a'"
     assert RankValues([1], [5]) == [5]
+
+
+def test_the_sealed_store_hides_names_and_values_and_refuses_a_forged_value():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from notebook_launcher.session.sealed_store import ForgedStoreValue, SealedStore
+
+    inner = dist.HashStore()
+    sealed = SealedStore(inner, b"s" * 32, generation=0)
+    sealed.set("rank_0", b"127.0.0.1:29500")
+    assert sealed.get("rank_0") == b"127.0.0.1:29500"
+    sealed.wait(["rank_0"], timedelta(seconds=5))
+    assert sealed.add("count", 2) == 2 and sealed.check(["rank_0", "count"])
+    (name,) = [key for key in _store_keys(inner) if inner.get(key) != b"2"]
+    assert "rank_0" not in name and b"127.0.0.1" not in inner.get(name)
+    # Another generation, or another secret, names the same key differently.
+    assert not SealedStore(inner, b"s" * 32, generation=1).check(["rank_0"])
+    assert not SealedStore(inner, b"t" * 32, generation=0).check(["rank_0"])
+    inner.set(name, b"127.0.0.1:1" + b"\0" * 48)
+    with pytest.raises(ForgedStoreValue, match=r"^a rendezvous store value failed its check: a process without the session's secret wrote it"):
+        sealed.get("rank_0")
+
+
+def _store_keys(store) -> list[str]:
+    return list(store.list_keys())

@@ -35,6 +35,11 @@ class LineSplitter:
         self._redrawn = ""
         return pieces
 
+    def flush(self) -> list[tuple[str, bool]]:
+        """The unfinished line, as a line, while the stream goes on (a session cell ended)."""
+        last = self._take_pending()
+        return [(last, False)] if last else []
+
     @property
     def pending_pieces(self) -> int:
         """How many unjoined pieces the unfinished line is held as."""

@@ -70,6 +70,9 @@ def run_rank(
     _channel = channel
     _forked = not isinstance(payload, bytes)
     channel.send(Hello(os.getpid()))
+    if not spec.return_when_done:  # a pool worker of someone else's (torch_xla) needs its pipes
+        _close_inherited_descriptors(ends)
+    _normal_builtins()
     add_metric_sink(_forward_metric)
     add_progress_sink(_forward_progress)
     _detach_from_kernel()
@@ -169,6 +172,65 @@ def _detach_from_kernel() -> None:
     # Else a worker thread of torch_xla's: its supervisor set both before forking it.
     _forget_inherited_forkserver()
     _die_with_parent()
+
+
+def _close_inherited_descriptors(ends: RankEnds) -> None:
+    """Let go of the sockets and event descriptors the rank inherited from the kernel.
+
+    A forked rank holds copies of everything the kernel had open: its listening ZMQ ports
+    and their connections, its event loop. Each is replaced by /dev/null rather than
+    closed, so a kernel object that later closes "its" descriptor number cannot close
+    something the rank opened since. Regular files stay (a file the notebook opened may be
+    what the function reads), and so do pipes: multiprocessing learns that the rank ended
+    from the end of a pipe the rank holds, whose number the rank cannot know.
+    """
+    import multiprocessing
+    from multiprocessing import resource_tracker
+
+    keep = {0, 1, 2}
+    parent_sentinel = getattr(multiprocessing.parent_process(), "_sentinel", None)
+    if isinstance(parent_sentinel, int):
+        keep.add(parent_sentinel)
+    for end in (ends.stdout, ends.stderr, ends.channel, ends.commands):
+        if end is not None and not end.closed:
+            keep.add(end.fileno())
+    tracker_fd = getattr(getattr(resource_tracker, "_resource_tracker", None), "_fd", None)
+    if isinstance(tracker_fd, int):
+        keep.add(tracker_fd)
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return  # not Linux: nothing to list the descriptors with
+    if threading.current_thread() is threading.main_thread():
+        with contextlib.suppress(ValueError, OSError):
+            signal.set_wakeup_fd(-1)  # the kernel's event loop's, about to go
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for name in names:
+            fd = int(name)
+            if fd in keep or fd == null:
+                continue
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue  # the listing's own descriptor, already closed
+            if target.startswith(("socket:", "anon_inode:")):
+                with contextlib.suppress(OSError):
+                    os.dup2(null, fd, inheritable=False)
+    finally:
+        os.close(null)
+
+
+def _normal_builtins() -> None:
+    """The builtins a plain interpreter has: IPython hides ``exit`` and ``quit`` while a
+    cell runs (and adds its own names), and a forked rank would keep that state."""
+    import _sitebuiltins
+
+    for name, eof in (("exit", "Ctrl-D (i.e. EOF)"), ("quit", "Ctrl-D (i.e. EOF)")):
+        if not hasattr(builtins, name):
+            setattr(builtins, name, _sitebuiltins.Quitter(name, eof))
+    for name in ("get_ipython", "display", "__IPYTHON__"):
+        builtins.__dict__.pop(name, None)
 
 
 def _forget_inherited_forkserver() -> None:

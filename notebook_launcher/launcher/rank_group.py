@@ -265,6 +265,20 @@ class RankGroup:
                     self._on_end(rank, ended)
         self._check_limits()
 
+    def flush_partial_lines(self) -> None:
+        """Read what the ranks wrote so far, then emit their unfinished lines as lines.
+
+        For a session, whose ranks flush their streams before answering a command: the
+        output of one cell, partial last line included, belongs to that cell.
+        """
+        for rank in self.ranks:
+            for fd in list(rank.streams):
+                self._read_stream(rank, fd)
+            for stream, splitter in rank.splitters.items():
+                for text, is_progress in splitter.flush():
+                    rank.tail.append(text)
+                    self._emit(OutputLine(rank.rank, stream, text, is_progress))
+
     def send(self, rank: int, message: Any) -> None:
         """Send a command to one rank (a group started ``with_commands``)."""
         connection = self.ranks[rank].commands

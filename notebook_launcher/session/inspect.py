@@ -250,9 +250,9 @@ def collect(
         "__import__('notebook_launcher.session.inspect', fromlist=['summarize_names'])"
         f".summarize_names(globals(), {checked!r})"
     )
-    saved = session.returned
+    saved = session.returned, session.returned_rank
     try:
         per_rank = session.execute(code, ranks, filename="<show>")
     finally:
-        session.returned = saved
+        session.returned, session.returned_rank = saved
     return {name: [summaries[i] for summaries in per_rank] for i, name in enumerate(checked)}

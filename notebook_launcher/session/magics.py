@@ -6,11 +6,14 @@ Loaded by ``%load_ext notebook_launcher``; IPython is imported only then.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import functools
+import re
 import shlex
 import sys
-from typing import Any
+import traceback
+from typing import Any, Callable
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
@@ -24,10 +27,18 @@ from notebook_launcher.session.worker import BASE_NAMES
 class DistributedUsageError(LaunchConfigError, UsageError):
     """A ``%distributed`` line that cannot be understood (IPython shows it without a traceback)."""
 
+    def _render_traceback_(self) -> list[str]:
+        # IPython drops the traceback of UsageError itself only, not of its subclasses.
+        return f"{type(self).__name__}: {self}".splitlines()
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # argparse would exit the kernel's process
-        raise DistributedUsageError(f"{self.prog}: {message}. Usage: {self.format_usage().strip()}")
+        raise DistributedUsageError(f"{self.prog}: {message}. Usage: {_usage(self)}")
+
+
+def _usage(parser: argparse.ArgumentParser) -> str:
+    return parser.format_usage().strip().removeprefix("usage: ")
 
 
 @functools.cache  # building them costs about a millisecond a cell
@@ -56,8 +67,18 @@ def _parsers() -> tuple[_Parser, _Parser]:
     return line, cell
 
 
+def _words(prog: str, line: str) -> list[str]:
+    try:
+        return shlex.split(line)
+    except ValueError as error:  # "No closing quotation", "No escaped character"
+        raise DistributedUsageError(
+            f"{prog} {line.strip()}: {error}; the line is split like a shell command line, so "
+            f"close the quote or escape it. Usage: {_usage(_parsers()[0 if prog == '%distributed' else 1])}"
+        ) from None
+
+
 def parse_line(line: str) -> argparse.Namespace:
-    parsed = _parsers()[0].parse_args(shlex.split(line))
+    parsed = _parsers()[0].parse_args(_words("%distributed", line))
     if parsed.command is None:
         raise DistributedUsageError(
             "%distributed needs a command: start, push, pull, show, status, restart or stop "
@@ -67,7 +88,56 @@ def parse_line(line: str) -> argparse.Namespace:
 
 
 def parse_cell_line(line: str) -> argparse.Namespace:
-    return _parsers()[1].parse_args(shlex.split(line))
+    return _parsers()[1].parse_args(_words("%%distributed", line))
+
+
+# Where none of these occur, IPython's input transformations leave a cell as it is (they
+# act on magics, !cmd, help?, /,; escapes, a first line's indentation and pasted prompts),
+# and a cell skips them: they cost about as much as the rest of the kernel's part of a cell.
+_MAYBE_IPYTHON_SYNTAX = re.compile(r"[%!?]|^[ \t]*[/,;]|\A\s*(>>>|In \[|\.\.\.|[ \t])", re.MULTILINE)
+
+
+def transform_cell(shell: Any, cell: str) -> str:
+    """The cell after IPython's input transformations (skipped where they change nothing)."""
+    if _MAYBE_IPYTHON_SYNTAX.search(cell) is None:
+        return cell
+    return str(shell.transform_cell(cell))
+
+
+def rank_code(cell: str, transformed: str, filename: str) -> tuple[str, ast.Module]:
+    """The cell as the ranks run it, checked in the kernel first; and its syntax tree.
+
+    ``transformed`` is the cell after IPython's input transformations: plain Python passes
+    unchanged (prompts and common indentation removed), while IPython syntax (magics,
+    ``!cmd``, ``x?``) becomes calls to ``get_ipython()``, which ranks do not have: such a
+    line is refused by name. A leading newline keeps line numbers equal to the cell's own,
+    whose first line is the %%distributed line.
+    """
+    original, changed = cell.splitlines(), transformed.splitlines()
+    if len(original) == len(changed):
+        for number, (before, after) in enumerate(zip(original, changed), start=2):
+            if "get_ipython()" in after and "get_ipython()" not in before:
+                raise DistributedUsageError(
+                    f"%%distributed: line {number} ({before.strip()}) is IPython syntax (a magic, "
+                    "a shell command or help), which the ranks cannot run: they are plain Python "
+                    "processes without IPython. Write it in Python on the ranks (time.perf_counter() "
+                    "for %time, subprocess.run(...) for !cmd), or run it in a cell of its own."
+                )
+    elif "get_ipython()" in transformed and "get_ipython()" not in cell:
+        raise DistributedUsageError(
+            "%%distributed: the cell uses IPython syntax (a cell magic such as %%time), which the "
+            "ranks cannot run: they are plain Python processes without IPython. Write it in Python "
+            "on the ranks, or run it in a cell of its own."
+        )
+    code = "\n" + transformed
+    try:
+        tree = ast.parse(code, filename, "exec")  # a SyntaxError names the cell's own line
+    except SyntaxError as error:
+        shown = "".join(traceback.format_exception_only(type(error), error)).rstrip("\n")
+        raise DistributedUsageError(
+            f"%%distributed: the cell has a syntax error, so it was not sent to the ranks:\n{shown}"
+        ) from None
+    return code, tree
 
 
 class RankValues(list):
@@ -100,7 +170,9 @@ class DistributedMagics(Magics):
             if self.session is not None:
                 self.session.close()
                 self.session = None
-            self.session = Session(args.num_processes, args.precision, args.start_method, args.hardware)
+            self.session = self._hold_presses(
+                Session(args.num_processes, args.precision, args.start_method, args.hardware)
+            )
             print(
                 f"notebook_launcher: session started: {self.session.describe()}."
                 + (" The previous session was stopped." if replaced else "")
@@ -147,9 +219,28 @@ class DistributedMagics(Magics):
             )
         return self.session
 
+    def _hold_presses(self, session: Session) -> Session:
+        session.hold_interrupts = self._release_after_cell
+        return session
+
+    def _release_after_cell(self, release: Callable[[], None]) -> None:
+        """Stop presses after the first are ignored until IPython has shown the cell's
+        error: a press that lands while it formats the message would replace it."""
+        events = self._shell.events
+
+        def once(*_: Any) -> None:
+            with contextlib.suppress(ValueError):
+                events.unregister("post_run_cell", once)
+            with contextlib.suppress(ValueError):  # not the main thread
+                release()
+
+        events.register("post_run_cell", once)
+
     def _cell(self, args: argparse.Namespace, cell: str) -> Any:
+        filename = f"In[{self._shell.execution_count}]"
+        code, tree = rank_code(cell, transform_cell(self._shell, cell), filename)
         if self.session is None:
-            self.session = Session()
+            self.session = self._hold_presses(Session())
             print(
                 f"notebook_launcher: started a session with the default settings ({self.session.describe()}); "
                 "%distributed start -n N [--precision P] chooses others.",
@@ -157,18 +248,18 @@ class DistributedMagics(Magics):
             )
         session = self.session
         names = notebook_values(
-            cell, self._shell.user_ns, skip=session.owned_names | set(BASE_NAMES),
+            tree, self._shell.user_ns, skip=session.owned_names | set(BASE_NAMES),
             hidden=self._shell.user_ns_hidden,
         )
         ranks = args.ranks if args.ranks is not None else list(range(session.plan.num_processes))
         shown = _ShownAround(session, args.show) if args.show else None
-        # The leading newline keeps line numbers in tracebacks equal to the cell's own,
-        # whose first line is the %%distributed line.
         try:
-            values = session.execute(
-                "\n" + cell, ranks, names=names, returns=args.returns,
-                filename=f"In[{self._shell.execution_count}]",
-            )
+            values = session.execute(code, ranks, names=names, returns=args.returns, filename=filename)
+        except KeyboardInterrupt as error:
+            # The message is the whole story; IPython would add a traceback through this package.
+            text = f"KeyboardInterrupt: {error}" if str(error) else "KeyboardInterrupt"
+            error._render_traceback_ = lambda: [text]  # type: ignore[attr-defined]
+            raise
         except Exception:
             if shown is not None:
                 # What the failed cell left on the ranks is worth seeing too; the cell's own
@@ -176,7 +267,13 @@ class DistributedMagics(Magics):
                 with contextlib.suppress(Exception):
                     shown.after()
             raise
-        self._shell.user_ns.update(session.returned)
+        if session.returned:
+            self._shell.user_ns.update(session.returned)
+            print(
+                f"notebook_launcher: {', '.join(session.returned)} set in the notebook from rank "
+                f"{session.returned_rank}.",
+                file=sys.stderr,
+            )
         if shown is not None:
             shown.after()
         if all(value is None for value in values):

@@ -16,6 +16,17 @@ from notebook_launcher.launcher.channel import Failure
 
 
 @dataclasses.dataclass(frozen=True)
+class Join:
+    """The first command: the session's secret, which every store key and value carries.
+
+    It travels on the rank's private command pipe only (never argv or the environment),
+    so no other process can take part in the session's rendezvous.
+    """
+
+    secret: bytes
+
+
+@dataclasses.dataclass(frozen=True)
 class Execute:
     """Run a cell's code in the rank's namespace; ``names`` (cloudpickled dict) go in first."""
 
@@ -75,7 +86,9 @@ class Reply:
     """The answer to command ``seq``: a value, or how it failed."""
 
     seq: int
-    value: bytes | None = None  # cloudpickled; for Execute: (last value, {returned names})
+    # cloudpickled; for Execute: (last value, {returned name: value}), each part pickled
+    # on its own, so one that cannot travel comes back as a RemoteRepr and not the rest
+    value: bytes | None = None
     failure: Failure | None = None
     interrupted: bool = False  # the failure is the KeyboardInterrupt the kernel sent
     group_broken: bool = False  # a collective was cut short: the process group needs a Regroup

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import time
 import uuid
@@ -23,7 +24,7 @@ from notebook_launcher.launcher.plan import LaunchPlan
 from notebook_launcher.launcher.rank_group import Rank, RankGroup, RankState
 from notebook_launcher.launcher.run import Emitter, rank_specs
 from notebook_launcher.launcher.store import RendezvousStore, bind_listener
-from notebook_launcher.session.protocol import Command, Ready, Reply
+from notebook_launcher.session.protocol import Command, Join, Ready, Reply
 from notebook_launcher.session.worker import session_rank
 
 
@@ -50,6 +51,11 @@ class SessionRanks:
             )
             self._cleanup.callback(self.group.close)
             self.group.start(None, target=session_rank)
+            # The store's port is open to every local process: only holders of this secret
+            # can use the session's keys (see sealed_store).
+            join = Join(secrets.token_bytes(32))
+            for rank in range(plan.num_processes):
+                self.send(rank, join)
         except BaseException:
             self._cleanup.close()
             raise
@@ -64,7 +70,7 @@ class SessionRanks:
         failures = {failure.rank: failure for failure in self.group.outcome.failures}
         return {r.rank: failures.get(r.rank) for r in self.group.ranks if r.state == RankState.EXITED}
 
-    def send(self, rank: int, command: Command) -> None:
+    def send(self, rank: int, command: Command | Join) -> None:
         try:
             self.group.send(rank, command)
         except OSError:
@@ -103,8 +109,10 @@ class SessionRanks:
         self.group.run(until=until, on_message=self._on_message)
 
     def drain(self) -> None:
-        """Show what the ranks wrote before their replies (already in the pipes)."""
+        """Show what the ranks wrote before their replies (already in the pipes), unfinished
+        last lines included: a cell's output belongs to that cell."""
         self.group.watch(0.0)
+        self.group.flush_partial_lines()
 
     def _on_message(self, rank: Rank, message: Any) -> None:
         if isinstance(message, Reply):

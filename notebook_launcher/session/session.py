@@ -31,6 +31,8 @@ from notebook_launcher.launcher.pickling import dump_payload
 from notebook_launcher.launcher.plan import LaunchCall, LaunchPlan, resolve_plan
 from notebook_launcher.launcher.printer import TextPrinter
 from notebook_launcher.launcher.start_method import KernelState
+from notebook_launcher.session.capture import check_picklable
+from notebook_launcher.session.interrupts import StopPresses
 from notebook_launcher.session.protocol import Call, Command, Execute, Pull, Push, Regroup, Reply
 from notebook_launcher.session.ranks import SessionRanks
 
@@ -66,9 +68,16 @@ class Session:
         self._generation = 0
         self._closed = False
         self._stopped_from_outside = False
-        self._ended: RankFailure | None = None  # set when a rank died: the session is unusable
+        self._ended: str | None = None  # why the session is unusable (a rank died, ...)
         self._owned: set[str] = set()  # names some rank's own code bound
-        self.returned: dict[str, Any] = {}  # the ``returns`` names of the last execute(), from its first rank
+        # The ``returns`` names of the last execute(), from its first rank (returned_rank);
+        # emptied when the next execute() starts, and free to be cleared by the caller.
+        self.returned: dict[str, Any] = {}
+        self.returned_rank: int | None = None
+        # After a stop press the kernel ignores further presses until this is called with
+        # the function that restores them (default: at once, when the call returns). The
+        # magics pass it to IPython, so a press cannot interrupt the showing of the error.
+        self.hold_interrupts: Callable[[Callable[[], None]], None] = lambda release: release()
         self._ranks: SessionRanks | None = None
         self._record: registry.RegisteredLaunch | None = None
         self._watch_stop = threading.Event()
@@ -211,18 +220,20 @@ class Session:
         if not isinstance(code, str):
             raise LaunchTypeError(f"code must be a string of Python source; got {type(code).__name__}.")
         targets = self._targets(ranks)
-        blob = cloudpickle.dumps(dict(names or {}))
+        self.returned, self.returned_rank = {}, None
+        blob = check_picklable(dict(names or {}), "the cell uses")
         name = filename or f"<session cell {self._seq + 1}>"
         replies = self._roundtrip(
             targets, lambda seq: Execute(seq, code, name, blob, tuple(returns))
         )
         values = []
-        self.returned = {}
         for position, rank in enumerate(targets):
-            last, returned = cloudpickle.loads(replies[rank].value or cloudpickle.dumps((None, {})))
-            values.append(last)
-            if position == 0:
-                self.returned = returned
+            value = replies[rank].value
+            last, returned = cloudpickle.loads(value) if value else (None, {})
+            values.append(None if last is None else cloudpickle.loads(last))
+            if position == 0 and returns:
+                self.returned = {key: cloudpickle.loads(part) for key, part in returned.items()}
+                self.returned_rank = rank
         return values
 
     def push(self, names: Mapping[str, Any], ranks: Sequence[int] | None = None) -> None:
@@ -231,7 +242,7 @@ class Session:
             raise LaunchTypeError(
                 f"push() takes a dict of variable names to values, such as {{'lr': 0.1}}; got {names!r}."
             )
-        blob = cloudpickle.dumps(dict(names))
+        blob = check_picklable(dict(names), "push() was given")
         self._roundtrip(self._targets(ranks), lambda seq: Push(seq, blob))
 
     def pull(self, name: str, rank: int = 0) -> Any:
@@ -293,41 +304,45 @@ class Session:
         if self._stopped_from_outside:
             return "it was stopped from the JupyterLab sidebar"
         if self._ended is not None:
-            return self._ended.summary()
+            return self._ended
         return "its ranks are gone"
 
     def _roundtrip(self, targets: list[int], make: Callable[[int], Command]) -> dict[int, Reply]:
         ranks = self._check_usable()
         self._seq += 1
         seq = self._seq
-        for rank in targets:
-            ranks.send(rank, make(seq))
-        replies, user_interrupt, still_running = self._collect(ranks, seq, targets)
-        ranks.drain()
-        for reply in replies.values():
-            self._owned.update(reply.owned)
-        # A cell that failed or was interrupted on some rank may have left a collective
-        # half-done (queued on one rank, never joined by another): every rank replaces its
-        # process group, so the next cell's collectives pair up again.
-        regrouped = self.plan.num_processes > 1 and any(
-            reply.failure is not None or reply.group_broken for reply in replies.values()
-        )
-        if regrouped:
-            self._regroup(ranks)
-        cut_short = regrouped and any(r.group_broken for r in replies.values())
-        if user_interrupt:
-            raise KeyboardInterrupt(
-                f"the cell was interrupted on rank(s) {_names(targets)}"
-                + ("; the process group was rebuilt" if cut_short else "")
-                + "; the session is ready for the next cell."
+        presses = StopPresses()
+        try:
+            for rank in targets:
+                ranks.send(rank, make(seq))
+            replies, user_interrupt, still_running = self._collect(ranks, seq, targets, presses)
+            ranks.drain()
+            for reply in replies.values():
+                self._owned.update(reply.owned)
+            # A cell that failed or was interrupted on some rank may have left a collective
+            # half-done (queued on one rank, never joined by another): every rank replaces its
+            # process group, so the next cell's collectives pair up again.
+            regrouped = self.plan.num_processes > 1 and any(
+                reply.failure is not None or reply.group_broken for reply in replies.values()
             )
-        failed = [r for r in targets if replies[r].failure is not None and not replies[r].interrupted]
-        if failed:
-            raise self._cell_error(replies, failed, still_running, cut_short)
-        return replies
+            if regrouped:
+                self._regroup(ranks, presses)
+            if user_interrupt or presses.installed:
+                raise KeyboardInterrupt(
+                    f"the cell was interrupted on rank(s) {_names(targets)}"
+                    + ("; the process group was rebuilt" if regrouped else "")
+                    + "; the session is ready for the next cell."
+                )
+            failed = [r for r in targets if replies[r].failure is not None and not replies[r].interrupted]
+            if failed:
+                raise self._cell_error(replies, failed, still_running, regrouped)
+            return replies
+        finally:
+            if presses.installed:
+                self.hold_interrupts(presses.release)
 
     def _collect(
-        self, ranks: SessionRanks, seq: int, targets: list[int]
+        self, ranks: SessionRanks, seq: int, targets: list[int], presses: StopPresses
     ) -> tuple[dict[int, Reply], bool, list[int]]:
         """Wait, with no time limit, for every target's answer, a rank's death or an interrupt."""
         pending = list(targets)
@@ -340,10 +355,10 @@ class Session:
             try:
                 ranks.pump(lambda: any((r, seq) in ranks.replies for r in pending), timeout=_WAKE_S)
             except KeyboardInterrupt:
-                if user_interrupt:  # a second interrupt: the ranks are not coming back
-                    self._end()
-                    raise
+                if user_interrupt:  # pressed again after the ranks were declared stuck
+                    raise self._stopped_stuck(pending) from None
                 user_interrupt = True
+                presses.install()  # later presses are counted, not raised
                 ranks.interrupt(pending)
                 interrupted_at = time.monotonic()
                 continue
@@ -367,6 +382,7 @@ class Session:
                 raise self._death_error(during="while running the cell")
             if interrupted_at is not None and not warned and time.monotonic() - interrupted_at > _STUCK_AFTER_S:
                 warned = True
+                presses.ending = True
                 print(
                     f"notebook_launcher: rank(s) {_names(pending)} did not stop within "
                     f"{_STUCK_AFTER_S:g}s of the interrupt. Interrupt the kernel again to stop "
@@ -375,36 +391,64 @@ class Session:
                 )
         return replies, user_interrupt, interrupted
 
-    def _regroup(self, ranks: SessionRanks) -> None:
+    def _regroup(self, ranks: SessionRanks, presses: StopPresses) -> None:
         """Every rank replaces its process group, after a collective was cut short."""
         self._generation += 1
         self._seq += 1
         seq, everyone = self._seq, self._all()
         for rank in everyone:
             ranks.send(rank, Regroup(seq, self._generation))
-        try:
-            ranks.pump(lambda: all((r, seq) in ranks.replies for r in everyone), timeout=None)
-        except KeyboardInterrupt:
-            self._end()
-            raise
+        pressed_at: float | None = None
+        while not all((r, seq) in ranks.replies for r in everyone) and not ranks.any_ended():
+            try:
+                ranks.pump(lambda: all((r, seq) in ranks.replies for r in everyone), timeout=_WAKE_S)
+            except KeyboardInterrupt:
+                if pressed_at is not None:  # pressed again after the ranks were declared stuck
+                    raise self._stopped_stuck(everyone) from None
+                presses.install()
+                pressed_at = time.monotonic()
+            if pressed_at is not None and not presses.ending and time.monotonic() - pressed_at > _STUCK_AFTER_S:
+                presses.ending = True
+                print(
+                    f"notebook_launcher: the process group was not rebuilt within {_STUCK_AFTER_S:g}s "
+                    "of the interrupt. Interrupt the kernel again to stop every rank (the session "
+                    "then needs a restart).",
+                    file=sys.stderr,
+                )
         replies = [ranks.replies.pop((r, seq), None) for r in everyone]
         if ranks.exited or any(reply is None or reply.failure is not None for reply in replies):
-            self._end()
+            why = next(
+                (f" (rank {r}: {reply.failure.exception_type}: {reply.failure.message})"
+                 for r, reply in zip(everyone, replies) if reply is not None and reply.failure is not None),
+                "",
+            )
+            self._end("its process group could not be rebuilt")
             raise SessionError(
                 "a collective was interrupted and left the process group broken, and it could "
-                f"not be rebuilt. {_RESTART_HINT}; names defined on the old ranks are lost."
+                f"not be rebuilt{why}. {_RESTART_HINT}; names defined on the old ranks are lost."
             )
 
-    def _end(self) -> None:
+    def _end(self, reason: str = "its ranks were stopped") -> None:
         """A rank died (or the session was stopped): the others are stopped, the session unusable."""
         ranks = self._ranks
-        if ranks is not None:
+        if ranks is not None and self._ended is None:
             failures = [f for f in ranks.exited.values() if f is not None]
-            if failures and self._ended is None:
-                self._ended = min(failures, key=lambda f: f.time)
+            if failures:
+                self._ended = min(failures, key=lambda f: f.time).summary()
         if self._ended is None:
-            self._ended = RankFailure(rank=-1, pid=None, exitcode=None, exception_type="SessionEnded")
+            self._ended = reason
         self._release()
+
+    def _stopped_stuck(self, pending: list[int]) -> KeyboardInterrupt:
+        """The stop button, pressed again after the ranks did not come back: end the session."""
+        self._end(
+            f"it was stopped from the notebook while rank(s) {_names(pending)} did not come back "
+            "from an interrupt"
+        )
+        return KeyboardInterrupt(
+            f"stopped every rank of the session: rank(s) {_names(pending)} did not come back from "
+            f"the interrupt. {_RESTART_HINT}; names defined on the old ranks are lost."
+        )
 
     def _death_error(self, during: str) -> RankFailedError:
         ranks = self._ranks
@@ -425,7 +469,7 @@ class Session:
         return RankFailedError("\n".join(lines), failures)
 
     def _cell_error(
-        self, replies: dict[int, Reply], failed: list[int], interrupted: list[int], cut_short: bool
+        self, replies: dict[int, Reply], failed: list[int], interrupted: list[int], regrouped: bool
     ) -> RankFailedError:
         pids = self.pids
         failures = []
@@ -443,10 +487,10 @@ class Session:
             lines.append(
                 f"Rank(s) {_names(stopped)} were still running the cell and were interrupted."
             )
-        if cut_short:
+        if regrouped:
             lines.append(
-                "A collective was cut short, so the process group was rebuilt; the next "
-                "cell can use collectives again, and the names defined so far are kept."
+                "The process group was rebuilt (a collective may have been left half-done), so "
+                "the next cell can use collectives again; the names defined so far are kept."
             )
         lines.append("The session is ready for the next cell.")
         failure = replies[root.rank].failure

@@ -34,6 +34,7 @@ from notebook_launcher.session.protocol import (
     Call,
     Command,
     Execute,
+    Join,
     Pull,
     Push,
     Ready,
@@ -51,7 +52,6 @@ if TYPE_CHECKING:
 # its process group's connections (a collective blocked in C++ never sees the signal).
 # Short: the kernel rebuilds the group after every interrupted cell anyway.
 BREAK_AFTER_S = 0.25
-STORE_PREFIX = "notebook_launcher-session"
 BASE_NAMES = ("rank", "local_rank", "world_size", "device", "torch")
 
 
@@ -63,13 +63,19 @@ def session_rank(spec: RankSpec, payload: Any, ends: RankEnds) -> None:
 
 def serve(commands: Connection) -> None:
     """Process target (through the launcher's ``run_rank``): one rank of a session."""
-    worker = Worker()
+    try:
+        join = commands.recv()  # the kernel sends it right after starting the rank
+    except EOFError:
+        return  # the kernel is gone
+    if not isinstance(join, Join):
+        raise TypeError(f"a session rank expects Join first; got {join!r}")
+    worker = Worker(join.secret)
     send(Ready(os.getpid(), str(worker.namespace["device"])))
     worker.loop(commands)
 
 
 class Worker:
-    def __init__(self) -> None:
+    def __init__(self, secret: bytes) -> None:
         import torch
         import torch.distributed as dist
 
@@ -89,6 +95,7 @@ class Worker:
         }
         self.injected: dict[str, Any] = {}  # notebook values put in by the kernel, by name
         self._dist = dist
+        self._secret = secret
         self._store = dist.TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world_size,
             is_master=False, timeout=timedelta(seconds=300),
@@ -100,10 +107,12 @@ class Worker:
     # The process group -------------------------------------------------------------
 
     def _init_group(self, generation: int) -> None:
+        from notebook_launcher.session.sealed_store import SealedStore
+
         before = _tcp_sockets()
         backend = "nccl" if self.accelerator == "cuda" else "gloo"
         self._dist.init_process_group(
-            backend, store=self._dist.PrefixStore(f"{STORE_PREFIX}/{generation}/", self._store),
+            backend, store=SealedStore(self._store, self._secret, generation),
             rank=self.rank, world_size=self.world_size,
             device_id=self.namespace["device"] if backend == "nccl" else None,
         )
@@ -155,7 +164,9 @@ class Worker:
             with self.interrupts.running():
                 value = self._run(command)
         except BaseException as error:
-            interrupted = isinstance(error, KeyboardInterrupt)
+            # A collective cut off by the interrupt fails with gloo's own error, raised before
+            # or instead of the KeyboardInterrupt: either way the kernel's interrupt ended it.
+            interrupted = isinstance(error, KeyboardInterrupt) or self.interrupts.signalled
             return Reply(
                 command.seq, failure=_failure(error), interrupted=interrupted,
                 group_broken=self.group_broken, owned=self._owned(),
@@ -172,8 +183,8 @@ class Worker:
             for name in command.returns:
                 if name not in self.namespace:
                     raise NameError(f"--return {name}: name {name!r} is not defined on rank {self.rank}")
-                returned[name] = self.namespace[name]
-            return _dumps((last, returned))
+                returned[name] = _dumps(self.namespace[name])
+            return cloudpickle.dumps((_dumps(last), returned))
         if isinstance(command, Call):
             function, args, kwargs = cloudpickle.loads(command.payload)
             return _dumps(function(*args, **kwargs))
@@ -234,6 +245,7 @@ class _InterruptWatch:
     def __init__(self, break_group: Any) -> None:
         self._break_group = break_group
         self._running = False
+        self.signalled = False  # an interrupt arrived while the current command ran
         self._idle = threading.Event()
         self._idle.set()
         read_fd, self._write_fd = os.pipe()
@@ -248,6 +260,7 @@ class _InterruptWatch:
 
     @contextlib.contextmanager
     def running(self) -> Any:
+        self.signalled = False
         self._idle.clear()
         self._running = True
         try:
@@ -258,6 +271,7 @@ class _InterruptWatch:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self._running:
+            self.signalled = True
             raise KeyboardInterrupt
 
     def _watch(self, read_fd: int) -> None:
@@ -265,7 +279,10 @@ class _InterruptWatch:
             data = os.read(read_fd, 64)
             if not data:
                 return
-            if signal.SIGINT in data and not self._idle.wait(BREAK_AFTER_S):
+            if signal.SIGINT not in data or self._idle.is_set():
+                continue
+            self.signalled = True
+            if not self._idle.wait(BREAK_AFTER_S):
                 self._break_group()
 
 
