@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Any
 
+from notebook_launcher.api import debug_launcher, notebook_launcher
 from notebook_launcher.errors import (
     AcceleratorError,
     LaunchConfigError,
@@ -14,7 +15,6 @@ from notebook_launcher.errors import (
     RankFailedError,
     SessionError,
 )
-from notebook_launcher.launcher.api import debug_launcher, notebook_launcher
 from notebook_launcher.server import (  # noqa: F401  (Jupyter finds its extensions here)
     _jupyter_labextension_paths,
     _jupyter_server_extension_points,

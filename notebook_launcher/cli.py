@@ -278,7 +278,7 @@ def run_script(path: str, argv: list[str]) -> None:
 
 
 def _run(arguments: argparse.Namespace) -> int:
-    from notebook_launcher.launcher.api import notebook_launcher
+    from notebook_launcher.api import notebook_launcher
 
     script = arguments.script
     if not os.path.isfile(script):

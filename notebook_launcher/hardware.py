@@ -21,7 +21,8 @@ import sys
 from typing import Any
 
 from notebook_launcher import rules
-from notebook_launcher.tpu import TpuInfo, detect_tpu
+from notebook_launcher.machine import GpuInfo, Machine
+from notebook_launcher.tpu import detect_tpu
 
 # Re-exported for the training core, which judges a precision inside a rank.
 PRECISIONS = rules.PRECISIONS
@@ -30,36 +31,9 @@ _NVIDIA_SMI_TIMEOUT_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
-class GpuInfo:
-    index: int
-    name: str
-    memory_mib: int
-    compute_capability: str  # "9.0"; "" where the driver does not say
-
-
-@dataclasses.dataclass(frozen=True)
-class HardwareReport:
-    cpu_count: int
-    gpus: tuple[GpuInfo, ...]
-    driver_version: str | None
-    tpu_cores: int
-    mps_available: bool
-    platform: str  # "colab", "kaggle", "tpu-vm" or "local"
-    python_version: str
-    torch_version: str | None
-    torch_xla_version: str | None
-    tpu: TpuInfo | None = None  # the TPU (or XLA on CPU with PJRT_DEVICE=CPU), see tpu.py
-
-    @property
-    def accelerator(self) -> str:
-        """The device kind ranks run on by default: "cuda", "tpu", "mps" or "cpu"."""
-        if self.gpus:
-            return "cuda"
-        if self.tpu_cores:
-            return "tpu"
-        if self.mps_available:
-            return "mps"
-        return "cpu"
+class HardwareReport(Machine):
+    """This machine's facts (see :class:`~notebook_launcher.machine.Machine`), with what the
+    rules derive from them."""
 
     @property
     def default_num_processes(self) -> int:

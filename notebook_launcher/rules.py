@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from notebook_launcher.hardware import GpuInfo, HardwareReport
+    from notebook_launcher.machine import GpuInfo, Machine
 
 PRECISIONS = ("no", "fp16", "bf16", "fp8")
 START_METHODS = ("auto", "fork", "forkserver", "spawn")
@@ -44,7 +44,7 @@ KERNEL_FDS_PER_RANK = 6  # stdout, stderr, message channel, exit sentinel, store
 _FDS_KEPT_FREE = 64  # for the kernel's own files, sockets and the notebook's
 
 
-def precision_support(report: HardwareReport, accelerator: str | None = None) -> dict[str, str | None]:
+def precision_support(report: Machine, accelerator: str | None = None) -> dict[str, str | None]:
     """Map each precision to None when ``accelerator`` can run it, else to the reason it can't.
 
     Only what torch cannot run is refused: fp16 autocast and gradient scaling run on CPU
@@ -113,7 +113,7 @@ def start_method_support(
     return support
 
 
-def default_num_processes(report: HardwareReport, accelerator: str | None = None) -> int:
+def default_num_processes(report: Machine, accelerator: str | None = None) -> int:
     """Ranks a launch starts when nobody chose: one per device, else 2 CPU ranks."""
     accelerator = accelerator or report.accelerator
     if accelerator == "cuda":
@@ -125,7 +125,7 @@ def default_num_processes(report: HardwareReport, accelerator: str | None = None
     return min(2, report.cpu_count) or 1
 
 
-def _tpu_processes(report: HardwareReport) -> int:
+def _tpu_processes(report: Machine) -> int:
     """torch_xla starts one process per TPU chip (XLA on the CPU: one)."""
     if report.tpu is not None:
         return report.tpu.processes
@@ -133,7 +133,7 @@ def _tpu_processes(report: HardwareReport) -> int:
 
 
 def max_num_processes(
-    report: HardwareReport, accelerator: str | None = None, open_files_limit: int | None = None
+    report: Machine, accelerator: str | None = None, open_files_limit: int | None = None
 ) -> int:
     """The most ranks this machine runs at once on ``accelerator`` (see the CPU note above).
 
@@ -150,7 +150,7 @@ def max_num_processes(
     return min(_cpu_core_limit(report), _fd_limit(open_files_limit))
 
 
-def _cpu_core_limit(report: HardwareReport) -> int:
+def _cpu_core_limit(report: Machine) -> int:
     return max(MIN_CPU_RANK_LIMIT, CPU_RANKS_PER_CORE * max(1, report.cpu_count))
 
 
@@ -172,7 +172,7 @@ def _open_files_limit() -> int:
 
 
 def num_processes_problem(
-    value: int, report: HardwareReport, accelerator: str | None = None,
+    value: int, report: Machine, accelerator: str | None = None,
     open_files_limit: int | None = None,
 ) -> str | None:
     """Why ``value`` ranks cannot run on ``accelerator`` here (a sentence with the fix), or None."""
@@ -227,7 +227,7 @@ def _open_files_limit_text(open_files_limit: int | None) -> str:
     return str(_open_files_limit() if open_files_limit is None else open_files_limit)
 
 
-def num_processes_note(report: HardwareReport, accelerator: str | None = None) -> str:
+def num_processes_note(report: Machine, accelerator: str | None = None) -> str:
     """One line a panel shows under its rank-count choice."""
     accelerator = accelerator or report.accelerator
     limit = max_num_processes(report, accelerator)
@@ -236,7 +236,7 @@ def num_processes_note(report: HardwareReport, accelerator: str | None = None) -
     return f"At most {limit}: each rank needs its own {DEVICE_WORDS.get(accelerator, accelerator)}."
 
 
-def choices(report: HardwareReport) -> dict[str, Any]:
+def choices(report: Machine) -> dict[str, Any]:
     """What a panel offers: every option, with the reason where the machine cannot run it."""
     return {
         "num_processes": {

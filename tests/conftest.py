@@ -114,7 +114,7 @@ def fake_gpus(tmp_path, monkeypatch):
     hardware.detect(refresh=True)
 
 
-def run_script(source: str, tmp_path: Path, timeout: float = 120) -> str:
+def run_script(source: str, tmp_path: Path, timeout: float = 600) -> str:
     """Run ``source`` as a __main__ script in a fresh interpreter; return its stdout."""
     import subprocess
 

@@ -25,19 +25,19 @@ class RunningKernel:
         self.manager.start_kernel()
         self.client = self.manager.client()
         self.client.start_channels()
-        self.client.wait_for_ready(timeout=120)
+        self.client.wait_for_ready(timeout=600)
 
     @property
     def pid(self) -> int:
         return self.manager.provisioner.process.pid  # type: ignore[union-attr]
 
-    def run(self, code: str, timeout: float = 120) -> CellRun:
+    def run(self, code: str, timeout: float = 600) -> CellRun:
         return self.collect(self.submit(code), timeout)
 
     def submit(self, code: str) -> str:
         return self.client.execute(textwrap.dedent(code))
 
-    def collect(self, msg_id: str, timeout: float = 120, until: str | None = None) -> CellRun:
+    def collect(self, msg_id: str, timeout: float = 600, until: str | None = None) -> CellRun:
         """Gather the cell's outputs until it is idle (or until ``until`` appears in stdout)."""
         cell = CellRun()
         deadline = time.monotonic() + timeout

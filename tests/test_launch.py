@@ -15,6 +15,8 @@ from notebook_launcher import (
     debug_launcher,
     notebook_launcher,
 )
+from notebook_launcher.launcher import printer
+from notebook_launcher.launcher.events import OutputLine, RankFinished
 
 from .conftest import run_script
 
@@ -182,7 +184,10 @@ def show_progress():
         time.sleep(0.01)
 
 
-def test_progress_bars_stay_readable(capfd, leak_check):
+def test_progress_bars_stay_readable(monkeypatch, capfd, leak_check):
+    # One snapshot per interval: an interval longer than the whole launch makes the count
+    # independent of how fast this machine draws the forty steps.
+    monkeypatch.setattr(printer, "_PROGRESS_INTERVAL_S", 3600.0)
     notebook_launcher(show_progress, num_processes=2)
     _, err = capfd.readouterr()
     for rank in (0, 1):
@@ -211,12 +216,30 @@ def fail_on_rank_one(kind):
     time.sleep(60)  # rank 0 would wait for rank 1 forever: it must be stopped
 
 
+class RankOutcomes:
+    """How each rank ended, as the launch told its observers; and each rank's lines."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, str] = {}
+        self.lines: dict[int, list[str]] = {}
+        self.all_printed = threading.Event()  # every rank printed at least one line
+
+    def on_event(self, event: object) -> None:
+        if isinstance(event, RankFinished):
+            self.states[event.rank] = event.state
+        elif isinstance(event, OutputLine):
+            self.lines.setdefault(event.rank, []).append(event.text)
+            if len(self.lines) == 2:
+                self.all_printed.set()
+
+
 @pytest.mark.parametrize("method", ["fork", "forkserver"])
 def test_a_failing_rank_raises_its_own_error_and_stops_the_others_at_once(method, leak_check):
-    started = time.monotonic()
+    outcomes = RankOutcomes()
     with pytest.raises(ValueError, match="learning rate 10 is too large") as caught:
-        notebook_launcher(fail_on_rank_one, ("value",), num_processes=2, start_method=method)
-    assert time.monotonic() - started < 10
+        notebook_launcher(fail_on_rank_one, ("value",), num_processes=2, start_method=method, observers=[outcomes])
+    # Rank 0 sleeps a minute: stopped by the launcher, it did not run to its end.
+    assert outcomes.states == {0: "stopped", 1: "failed"}
     error = caught.value
     assert isinstance(error, RankFailedError)
     message = str(error)
@@ -246,12 +269,12 @@ def test_a_segfault_is_reported_with_the_signal_and_the_crash_output(leak_check)
 
 
 def test_a_hung_launch_ends_at_its_timeout_naming_the_ranks(leak_check):
-    started = time.monotonic()
+    outcomes = RankOutcomes()
     with pytest.raises(
         LaunchTimeoutError, match=r"ran past timeout=1s; rank\(s\) 0, 1 were still running and have been stopped"
     ):
-        notebook_launcher(time.sleep, (60,), num_processes=2, timeout=1)
-    assert time.monotonic() - started < 8
+        notebook_launcher(time.sleep, (60,), num_processes=2, timeout=1, observers=[outcomes])
+    assert outcomes.states == {0: "stopped", 1: "stopped"}  # not a minute later, at their own end
 
 
 def unpicklable_result():
@@ -292,30 +315,36 @@ def print_then_sleep():
 
 def test_an_interrupt_stops_every_rank_and_raises_keyboard_interrupt(leak_check):
     main = threading.get_ident()
-    timer = threading.Timer(2.0, lambda: signal.pthread_kill(main, signal.SIGINT))
-    timer.start()
-    started = time.monotonic()
+    outcomes = RankOutcomes()
+
+    def interrupt_once_running():
+        if outcomes.all_printed.wait(120):  # both ranks run the function
+            signal.pthread_kill(main, signal.SIGINT)  # the stop button
+
+    pusher = threading.Thread(target=interrupt_once_running)
+    pusher.start()
     with pytest.raises(KeyboardInterrupt):
-        notebook_launcher(print_then_sleep, num_processes=2)
-    timer.join()
-    assert time.monotonic() - started < 8
+        notebook_launcher(print_then_sleep, num_processes=2, observers=[outcomes])
+    pusher.join()
+    assert outcomes.states == {0: "stopped", 1: "stopped"}  # not a minute later, at their own end
 
 
 def test_the_sidebar_can_stop_a_launch(leak_check):
     from notebook_launcher import LaunchStoppedError, registry
 
-    def stop_soon():
-        for _ in range(100):
-            launches = registry.list_launches()
-            if launches and launches[0].state == "running":
-                registry.request_stop(launches[0].launch_id)
-                return
-            time.sleep(0.05)
+    outcomes = RankOutcomes()
 
-    stopper = threading.Thread(target=stop_soon)
+    def stop_once_running():
+        if not outcomes.all_printed.wait(120):  # both ranks run the function: the launch is listed
+            return
+        for launch in registry.list_launches():
+            if launch.state == "running":
+                registry.request_stop(launch.launch_id)
+
+    stopper = threading.Thread(target=stop_once_running)
     stopper.start()
     with pytest.raises(LaunchStoppedError, match="stopped from the JupyterLab sidebar"):
-        notebook_launcher(print_then_sleep, num_processes=2)
+        notebook_launcher(print_then_sleep, num_processes=2, observers=[outcomes])
     stopper.join()
     assert registry.list_launches() == []
 

@@ -21,13 +21,23 @@ from notebook_launcher.launcher.events import LaunchFinished, LaunchStarted, Out
 from .conftest import run_script
 
 
-def ignore_sigterm_and_wait():
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # makes the launcher wait its whole grace
+def ignore_sigterm_and_wait(marker):
+    def note_and_ignore(signum, frame):  # makes the launcher wait its whole grace
+        with open(marker, "a") as file:
+            file.write("SIGTERM\n")
+
+    signal.signal(signal.SIGTERM, note_and_ignore)
     print("ready", flush=True)
-    time.sleep(120)
+    time.sleep(600)
 
 
-def test_a_second_interrupt_while_stopping_leaves_nothing_behind(leak_check):
+def test_a_second_interrupt_while_stopping_leaves_nothing_behind(tmp_path, monkeypatch, leak_check):
+    from notebook_launcher.launcher.rank_group import RankGroup
+
+    # A grace longer than any test: the second interrupt lands inside it however slow
+    # this machine is, and it alone ends the wait.
+    monkeypatch.setitem(RankGroup.__init__.__kwdefaults__, "grace_s", 600.0)
+    marker = tmp_path / "sigterm"
     main = threading.get_ident()
     ready = threading.Event()
     readies: list[int] = []
@@ -43,14 +53,19 @@ def test_a_second_interrupt_while_stopping_leaves_nothing_behind(leak_check):
         if not ready.wait(120):
             return
         signal.pthread_kill(main, signal.SIGINT)  # the stop button
-        time.sleep(1.0)  # inside the 3 s grace the ranks get after SIGTERM (they ignore it)
+        deadline = time.monotonic() + 120
+        # Both ranks got SIGTERM (and ignore it): the launcher waits in its grace period.
+        while time.monotonic() < deadline and not (marker.exists() and marker.read_text().count("SIGTERM") == 2):
+            time.sleep(0.02)
         signal.pthread_kill(main, signal.SIGINT)  # pressed again
 
     pusher = threading.Thread(target=interrupt_twice)
     pusher.start()
     with pytest.raises(KeyboardInterrupt):
-        notebook_launcher(ignore_sigterm_and_wait, num_processes=2, timeout=100, observers=[WhenReady()])
+        notebook_launcher(ignore_sigterm_and_wait, (str(marker),), num_processes=2, timeout=300,
+                          observers=[WhenReady()])
     pusher.join()
+    assert marker.read_text() == "SIGTERM\nSIGTERM\n"
     assert registry.list_launches() == []  # and leak_check: no port, thread, fd or process
 
 
@@ -106,19 +121,23 @@ def start_a_daemon_then_hang():
 
     daemon = subprocess.Popen(["sleep", "302"], start_new_session=True)
     print(f"daemon {daemon.pid}", flush=True)
-    time.sleep(120)  # stopped by the timeout: the rank gets no chance to clean up
+    time.sleep(120)  # stopped from outside: the rank gets no chance to clean up
 
 
 def test_a_daemon_of_a_rank_that_was_stopped_is_ended_too(leak_check):
+    from notebook_launcher import LaunchStoppedError
+
     pids: list[int] = []
 
-    class DaemonPids:
+    class StopOnceTheDaemonRuns:
         def on_event(self, event):  # type: ignore[no-untyped-def]
             if isinstance(event, OutputLine) and event.text.startswith("daemon "):
                 pids.append(int(event.text.split()[1]))
+                for launch in registry.list_launches():  # the sidebar's stop button
+                    registry.request_stop(launch.launch_id)
 
-    with pytest.raises(LaunchError, match="ran past timeout=3s"):
-        notebook_launcher(start_a_daemon_then_hang, num_processes=1, timeout=3, observers=[DaemonPids()])
+    with pytest.raises(LaunchStoppedError, match="stopped from the JupyterLab sidebar"):
+        notebook_launcher(start_a_daemon_then_hang, num_processes=1, observers=[StopOnceTheDaemonRuns()])
     assert len(pids) == 1 and gone(pids[0])
 
 
@@ -158,15 +177,28 @@ def test_an_exception_class_of_a_script_keeps_its_type_under_every_start_method(
     assert out.splitlines() == ["fork caught True", "forkserver caught True", "spawn caught True"]
 
 
+def wait_until_reaped(pid: int) -> None:
+    """Until ``pid`` is gone even as a zombie: its parent, the launcher, has seen it end."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)
+
+
 def leave_early_or_all_reduce():
     import sys
 
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
+    pids = [0, 0]
+    dist.all_gather_object(pids, os.getpid())
     if dist.get_rank() == 1:
         sys.exit(0)
-    time.sleep(1.0)
+    wait_until_reaped(pids[1])
     dist.all_reduce(torch.ones(1))
 
 

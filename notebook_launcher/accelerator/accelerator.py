@@ -48,6 +48,7 @@ from notebook_launcher.accelerator.state import (
 )
 from notebook_launcher.accelerator.trackers import GeneralTracker, resolve_log_with, start_trackers
 from notebook_launcher.accelerator.utils import tqdm as _tqdm
+from notebook_launcher.accelerator.wrappers import unwrap
 from notebook_launcher.errors import AcceleratorError
 
 _LRScheduler = torch.optim.lr_scheduler.LRScheduler
@@ -578,13 +579,6 @@ class Accelerator(Coordination, Checkpointing):
             self.wait_for_everyone()
             dist.destroy_process_group()
             self._created_process_group = False
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside DDP and torch.compile wrappers."""
-    while isinstance(model, DistributedDataParallel):
-        model = model.module
-    return getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
 
 
 def _all_tensors(data: Any) -> bool:

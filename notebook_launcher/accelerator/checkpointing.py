@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from notebook_launcher.accelerator import fsdp
+from notebook_launcher.accelerator.wrappers import unwrap
 from notebook_launcher.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -190,8 +191,6 @@ class Checkpointing:
 
     def _full_weights(self) -> tuple[list[Any], list[dict[str, Any]]]:
         """Each model (or its gathered full state under FSDP2) and each optimizer's state."""
-        from notebook_launcher.accelerator.accelerator import unwrap
-
         models: list[Any] = [
             fsdp.full_state_dict(m) if fsdp.is_fully_sharded(m) else unwrap(m) for m in self._models
         ]
@@ -231,8 +230,6 @@ class Checkpointing:
 
     def _accumulated_gradients(self) -> list[list[torch.Tensor | None]] | None:
         """Each model's gradients when some are held (mid-accumulation); they differ per rank."""
-        from notebook_launcher.accelerator.accelerator import unwrap
-
         # FSDP2 gradients are per-rank shards of DTensors: not kept (save where sync_gradients is True).
         grads = [
             [] if fsdp.is_fully_sharded(m) else [p.grad for p in unwrap(m).parameters()]
@@ -243,8 +240,6 @@ class Checkpointing:
         return [[None if g is None else g.detach().cpu() for g in model] for model in grads]
 
     def _load_gradients(self, source: Path) -> None:
-        from notebook_launcher.accelerator.accelerator import unwrap
-
         path = source / f"gradients_{self.state.process_index}.bin"
         saved = torch.load(path, weights_only=True) if path.exists() else None
         for i, model in enumerate(self._models):
@@ -300,8 +295,6 @@ class Checkpointing:
         self._load_gradients(source)
 
     def _load_shared(self, source: Path) -> None:
-        from notebook_launcher.accelerator.accelerator import unwrap
-
         for i, model in enumerate(self._models):
             module = unwrap(model)
             safe = source / _indexed("model", i, ".safetensors")

@@ -16,7 +16,10 @@ from typing import Any
 from notebook_launcher import rules
 from notebook_launcher.errors import LaunchConfigError, LaunchTypeError
 from notebook_launcher.hardware import HardwareReport
-from notebook_launcher.launcher.rendezvous import RDZV_BACKENDS, RDZV_CONF_KEYS
+
+RDZV_BACKENDS = ("static", "c10d")
+# Options of rdzv_conf that launcher/rendezvous.py reads; torchrun's names.
+RDZV_CONF_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "timeout", "is_host", "local_addr")
 
 
 def check_not_inside_rank(inside_rank: bool) -> None:

@@ -50,7 +50,8 @@ class TextPrinter:
         key = (line.rank, line.stream)
         if line.is_progress:
             now = time.monotonic()
-            if now - self._last_progress.get(key, 0.0) < _PROGRESS_INTERVAL_S:
+            last = self._last_progress.get(key)
+            if last is not None and now - last < _PROGRESS_INTERVAL_S:
                 return
             self._last_progress[key] = now
         else:

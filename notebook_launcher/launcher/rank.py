@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import cloudpickle
 
@@ -26,9 +26,6 @@ from notebook_launcher.errors import RankInputError
 from notebook_launcher.launcher.channel import Failure, Hello, Metric, Progress, RankMessage, Result
 from notebook_launcher.launcher.descendants import end_descendants
 from notebook_launcher.tracking import add_metric_sink, add_progress_sink
-
-if TYPE_CHECKING:
-    from notebook_launcher.launcher.backends.base import RankEnds
 
 _channel: Connection | None = None
 _forked = False  # started by fork: the kernel's __main__ is this process's __main__
@@ -51,6 +48,21 @@ class RankSpec:
     # True: return after reporting the result instead of exiting, for ranks that are workers
     # of someone else's process pool (torch_xla's), which must see them finish their task.
     return_when_done: bool = False
+
+
+@dataclasses.dataclass
+class RankEnds:
+    """The rank's ends of the pipes the kernel reads (and, for sessions, writes)."""
+
+    stdout: Connection  # write end; becomes the rank's fd 1
+    stderr: Connection  # write end; becomes the rank's fd 2
+    channel: Connection  # write end of the rank -> kernel messages
+    commands: Connection | None = None  # read end of kernel -> rank commands (sessions)
+
+    def close(self) -> None:
+        for end in (self.stdout, self.stderr, self.channel, self.commands):
+            if end is not None and not end.closed:
+                end.close()
 
 
 def send(message: RankMessage) -> None:

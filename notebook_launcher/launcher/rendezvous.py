@@ -38,7 +38,6 @@ from notebook_launcher.launcher.store import RendezvousStore, bind_listener
 if TYPE_CHECKING:
     from notebook_launcher.launcher.plan import LaunchPlan
 
-RDZV_BACKENDS = ("static", "c10d")
 _STATIC_DEFAULT_PORT = 29500  # accelerate's and torchrun's defaults
 _C10D_DEFAULT_PORT = 29400
 _WORKER_STORE_KEY = "notebook_launcher/worker_store"
@@ -46,8 +45,6 @@ _CLOSING_KEY = "notebook_launcher/closing"
 _DEFAULT_JOIN_TIMEOUT_S = 600.0
 _CONNECT_TRY_S = 5.0
 _RETRY_S = 0.2
-# Options of rdzv_conf this module reads; torchrun's names.
-RDZV_CONF_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "timeout", "is_host", "local_addr")
 
 
 class RendezvousError(LaunchError):

@@ -22,12 +22,13 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Sequence
-from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+# The rank-side types live with the code that runs in the rank; backends name them from here.
+from notebook_launcher.launcher.rank import RankEnds, RankSpec
 
 if TYPE_CHECKING:
     from notebook_launcher.launcher.plan import LaunchPlan
-    from notebook_launcher.launcher.rank import RankSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,21 +36,6 @@ class Ended:
     """How a rank's process ended."""
 
     exitcode: int | None  # negative: killed by that signal; None: the backend cannot know
-
-
-@dataclasses.dataclass
-class RankEnds:
-    """The rank's ends of the pipes the kernel reads (and, for sessions, writes)."""
-
-    stdout: Connection  # write end; becomes the rank's fd 1
-    stderr: Connection  # write end; becomes the rank's fd 2
-    channel: Connection  # write end of the rank -> kernel messages
-    commands: Connection | None = None  # read end of kernel -> rank commands (sessions)
-
-    def close(self) -> None:
-        for end in (self.stdout, self.stderr, self.channel, self.commands):
-            if end is not None and not end.closed:
-                end.close()
 
 
 # What runs inside each rank: run_rank for a launch, a command loop for a session. It must

@@ -1,17 +1,16 @@
-"""``notebook_launcher()`` and ``debug_launcher()``: accelerate's signature, kept."""
+"""``notebook_launcher()`` and ``debug_launcher()``: accelerate's signature, kept.
+
+The public face of the launcher: it adds the dashboard to the observers of a launch,
+which the launcher itself (:mod:`notebook_launcher.launcher.launch`) knows nothing of.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from notebook_launcher.defaults import effective_defaults
-from notebook_launcher.hardware import detect as detect_hardware  # `hardware` is an argument
-from notebook_launcher.launcher import options
+from notebook_launcher.launcher import launch
 from notebook_launcher.launcher.events import LaunchObserver
-from notebook_launcher.launcher.plan import LaunchCall, resolve_plan
-from notebook_launcher.launcher.printer import TextPrinter
-from notebook_launcher.launcher.run import execute
-from notebook_launcher.launcher.start_method import KernelState
+from notebook_launcher.launcher.plan import LaunchCall
 from notebook_launcher.widgets import dashboard_observer
 
 
@@ -86,17 +85,10 @@ def notebook_launcher(
         start_method=start_method, timeout=timeout, return_all=return_all, output=output,
         backend=backend, keep_result_devices=keep_result_devices, ray_address=ray_address,
     )
-    kernel = KernelState.detect()
-    options.check_not_inside_rank(kernel.inside_rank)
-    options.check_function(function)
-    call_args, call_kwargs = options.check_args(args, kwargs)
-    # Read at call time: a default saved in the sidebar or chosen in configure() applies at once.
-    plan = resolve_plan(call, effective_defaults(), detect_hardware(), kernel)
-    printer = TextPrinter(plan.output, plan.prefix_template)
+    prepared = launch.prepare(function, args, kwargs, call)
     board = dashboard_observer(dashboard)
     extra = [board] if board is not None else []
-    values = execute(plan, function, call_args, call_kwargs, [printer, *extra, *(observers or [])])
-    return values if plan.return_all else values[0]
+    return prepared.run([*extra, *(observers or [])])
 
 
 def debug_launcher(
