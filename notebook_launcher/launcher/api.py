@@ -92,8 +92,9 @@ def notebook_launcher(
     call_args, call_kwargs = options.check_args(args, kwargs)
     # Read at call time: a default saved in the sidebar or chosen in configure() applies at once.
     plan = resolve_plan(call, effective_defaults(), detect_hardware(), kernel)
-    printer = TextPrinter(plan.output, plan.prefix_template)
     board = dashboard_observer(dashboard)
+    # The dashboard shows progress bars: the cell's lines then keep only their final state.
+    printer = TextPrinter(plan.output, plan.prefix_template, progress_lines=not getattr(board, "shows_progress", False))
     extra = [board] if board is not None else []
     values = execute(plan, function, call_args, call_kwargs, [printer, *extra, *(observers or [])])
     return values if plan.return_all else values[0]

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from notebook_launcher.launcher.events import LaunchObserver
 from notebook_launcher.widgets.frontend import choose_view, ipywidgets_installed, shell_kind
+from notebook_launcher.widgets.history import launches
 from notebook_launcher.widgets.panel import configure
 
-__all__ = ["configure", "dashboard_observer"]
+__all__ = ["configure", "dashboard_observer", "launches"]
 
 
 def dashboard_observer(dashboard: bool | str) -> LaunchObserver | None:

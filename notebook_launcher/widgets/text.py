@@ -14,6 +14,7 @@ import sys
 from typing import TextIO
 
 from notebook_launcher.launcher.events import LaunchEvent, LaunchFinished, LaunchStarted
+from notebook_launcher.widgets import history
 from notebook_launcher.widgets.record import LaunchRecord, RankRow
 
 STATUS_INTERVAL_S = 10.0
@@ -112,6 +113,7 @@ class TextDashboard:
         if isinstance(event, LaunchStarted):
             self._last_status = self.record.now()  # the first status comes one interval in
         elif isinstance(event, LaunchFinished):
+            history.keep(self.record)
             self._write(summary(self.record, self.record.now()))
         else:
             self._maybe_status()
