@@ -147,7 +147,7 @@ class LaunchRecord:
         self.rows: dict[int, RankRow] = {}
         self.curves: dict[tuple[str, int], Curve] = {}  # (metric, rank)
         self._names: dict[str, str] = {}  # metric name as logged -> as shown
-        self._aliases: set[tuple[str, int]] = set()  # keys of curves under a raw name
+        self._by_raw: dict[tuple[str, int], Curve] = {}  # (metric as logged, rank)
         self.failures: dict[int, RankFailure] = {}
         self.notice: str | None = None  # the latest line of an event without a row of its own
         self.wall_started_at = time.time()
@@ -238,7 +238,7 @@ class LaunchRecord:
 
     def apply_metrics(self, metrics: Iterable[RankMetric]) -> None:
         """Many metric events at once: the dashboard's fast path for ranks that log a lot."""
-        curves, names = self.curves, self._names
+        by_raw, names = self._by_raw, self._names
         changed = False
         for metric in metrics:
             rank, step = metric.rank, metric.step
@@ -247,19 +247,15 @@ class LaunchRecord:
                 row.state = "running"
             last = row.last_metrics
             for name, value in metric.values.items():
-                key = (name, rank)
-                curve = curves.get(key)
+                curve = by_raw.get((name, rank))
                 if curve is None:
                     shown = names.get(name)
                     if shown is None:
                         shown = names[name] = _metric_name(name)
-                    key = (shown, rank)
-                    curve = curves.get(key)
+                    curve = self.curves.get((shown, rank))
                     if curve is None:
-                        curve = curves[key] = Curve()
-                    if shown != name:
-                        curves[(name, rank)] = curve  # found at once next time
-                        self._aliases.add((name, rank))
+                        curve = self.curves[(shown, rank)] = Curve()
+                    by_raw[(name, rank)] = curve
                 value = _as_float(value)
                 curve.add(step, value)
                 last[names.get(name, name)] = value
@@ -276,10 +272,8 @@ class LaunchRecord:
             self.failures[event.rank] = event.failure
 
     def shown_curves(self) -> dict[tuple[str, int], Curve]:
-        """The curves by the names they are shown under (each curve once)."""
-        if not self._aliases:
-            return self.curves
-        return {key: curve for key, curve in self.curves.items() if key not in self._aliases}
+        """The curves by the names they are shown under (metric names cleaned)."""
+        return self.curves
 
 
 def rank_state(event: RankFinished) -> str:
