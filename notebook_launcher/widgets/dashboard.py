@@ -155,25 +155,36 @@ class WidgetDashboard:
         w = self._widgets
         now = self.record.now()
         self._last["plot"] = now  # the first picture a second in: a short launch draws once
-        self.header = w.HTML(views.header_html(self.record, now))
-        self.rows = w.HTML(views.rows_html(self.record, now))
-        self.plot = w.HTML(layout=w.Layout(display="none", max_width="100%", overflow="auto"))
-        self.caption = w.HTML(layout=w.Layout(display="none"))
-        self.outputs = [w.HTML(views.output_html(self.record.rows[r], 0)) for r in sorted(self.record.rows)]
+        # Few widgets, sharing one layout and one style: each widget, layout and style is a
+        # model the kernel opens and sends, and that is most of what showing costs.
+        from ipywidgets.widgets.widget_string import HTMLStyle
+
+        layout, style = w.Layout(), HTMLStyle()
+        self.rows = self.header = w.HTML(self._table_html(now), layout=layout, style=style)
+        self.plot = w.HTML(layout=w.Layout(display="none", max_width="100%", overflow="auto"), style=style)
+        self.outputs = [
+            w.HTML(views.output_html(self.record.rows[r], 0), layout=layout, style=style)
+            for r in sorted(self.record.rows)
+        ]
         # One tab per rank inside one collapsed section: 16 ranks take one row, not 16.
-        self.tabs = w.Tab(children=self.outputs)
-        self.accordion = w.Accordion(children=[self.tabs], selected_index=None)
+        self.tabs = w.Tab(children=self.outputs, layout=layout)
+        self.accordion = w.Accordion(children=[self.tabs], selected_index=None, layout=layout)
         self._title_outputs()
         self.box = w.VBox(
-            [self.header, self.rows, self.plot, self.caption, self.accordion],
+            [self.rows, self.plot, self.accordion],
             layout=w.Layout(
                 border="1px solid rgba(128, 128, 128, 0.35)", padding="6px 10px", margin="2px 0"
             ),
         )
         self.box.add_class("notebook-launcher-dashboard")
+        self._models = [self.box, self.accordion, self.tabs, self.rows, self.plot, *self.outputs,
+                        layout, style, self.plot.layout, self.box.layout]  # fmt: skip
         from IPython.display import display
 
         self._handle = display(self._bundle(), raw=True, display_id=True)
+
+    def _table_html(self, now: float) -> str:
+        return views.header_html(self.record, now) + views.rows_html(self.record, now)
 
     def _bundle(self) -> dict[str, Any]:
         # The text form travels with the widget: frontends that draw no widgets show it.
@@ -199,7 +210,7 @@ class WidgetDashboard:
         bundle = {"text/html": self.final_html, "text/plain": summary(self.record, self.record.now())}
         if self._handle is not None:
             self._handle.update(bundle, raw=True)
-        for widget in (self.box, self.accordion, self.tabs, self.header, self.rows, self.plot, self.caption, *self.outputs):
+        for widget in self._models:
             try:
                 widget.close()
             except Exception:  # noqa: S112  (a frontend gone: nothing left to free)
@@ -215,8 +226,7 @@ class WidgetDashboard:
         if rows_now or now - self._last["rows"] >= ROWS_INTERVAL_S:
             self._last["rows"] = now
             # Redrawn even without news while ranks run: their elapsed times move on.
-            self.header.value = views.header_html(record, now)
-            self.rows.value = views.rows_html(record, now)
+            self.rows.value = self._table_html(now)
         if record.output_version != self._shown["output"] and (
             final or now - self._last["output"] >= OUTPUT_INTERVAL_S
         ):
@@ -232,9 +242,9 @@ class WidgetDashboard:
         started = time.perf_counter()
         self._shown["curves"] = self.record.curves_version
         drawn = render_svg(self.record.shown_curves(), self._previous_curves())
-        self.plot.value = drawn.svg
-        self.caption.value = f'<div style="font-size: 11px; opacity: 0.65;">{html.escape(drawn.caption)}</div>'
-        self.caption.layout.display = ""
+        self.plot.value = (
+            f'{drawn.svg}<div style="font-size: 11px; opacity: 0.65;">{html.escape(drawn.caption)}</div>'
+        )
         self.plot.layout.display = ""
         self.plot_draws += 1
         self._plot_cost = time.perf_counter() - started

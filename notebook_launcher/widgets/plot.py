@@ -168,25 +168,31 @@ def _panel(
                 f"{_text(name)}</title></polyline>"
             )
     drawn = 0
+    label = _text(name)
     for rank, points in sampled.items():
         colour = rank_colour(rank)
-        line = _polyline(points, sx, sy)
-        if line:
+        finite_points = [(s, v) for s, v in points if math.isfinite(v)]
+        # Each point's place computed once, for the line and for its hover circle.
+        placed = [(sx(s), sy(v)) for s, v in finite_points]
+        if placed:
+            line = " ".join([f"{x:.1f},{y:.1f}" for x, y in placed])
             out.append(
                 f'<polyline points="{line}" fill="none" stroke="{colour}" stroke-width="1.5">'
-                f"<title>rank {rank}, {_text(name)}</title></polyline>"
+                f"<title>rank {rank}, {label}</title></polyline>"
             )
-        finite_points = [(s, v) for s, v in points if math.isfinite(v)]
         drawn += len(finite_points)
         every = max(1, math.ceil(len(finite_points) / HOVER_POINTS))
-        hover = finite_points[::every]
-        if finite_points and hover[-1] != finite_points[-1]:
-            hover.append(finite_points[-1])
-        for s, v in hover:
-            out.append(
-                f'<circle cx="{sx(s):.1f}" cy="{sy(v):.1f}" r="{2.5 if len(points) < 40 else 2}" fill="{colour}" '
-                f'class="nl-point"><title>step {_tick(s)}, rank {rank}, {_text(name)} = {v:.6g}</title></circle>'
-            )
+        picked = list(range(0, len(finite_points), every))
+        if finite_points and picked[-1] != len(finite_points) - 1:
+            picked.append(len(finite_points) - 1)
+        radius = 2.5 if len(points) < 40 else 2
+        circle = f'" r="{radius}" fill="{colour}" class="nl-point"><title>step '
+        tail = f", rank {rank}, {label} = "
+        out.extend([
+            f'<circle cx="{placed[i][0]:.1f}" cy="{placed[i][1]:.1f}{circle}{_tick(finite_points[i][0])}{tail}'
+            f"{finite_points[i][1]:.6g}</title></circle>"
+            for i in picked
+        ])  # fmt: skip
         odd = [(s, v) for s, v in points if not math.isfinite(v)]
         for s, v in odd[:: max(1, math.ceil(len(odd) / NONFINITE_DRAWN))]:
             # NaN and -inf sit on the bottom edge, +inf on the top, as a red cross.
