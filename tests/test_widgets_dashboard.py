@@ -127,7 +127,7 @@ def test_a_dashboard_failure_warns_once_and_never_ends_the_launch(board, monkeyp
     dashboard.on_event(RankFinished(1, 0, None))
     dashboard.on_event(LaunchFinished("ok", 5.0))
     # The record still reaches its final state, and says why the plot is missing.
-    assert dashboard.final_html.count("done") == 2 and "finished after 5.0 s" in dashboard.final_html
+    assert dashboard.final_html.count("nl-done") == 2 and "finished after 5.0 s" in dashboard.final_html
     assert "The plot could not be drawn: RuntimeError: frontend gone" in dashboard.final_html
 
 

@@ -76,7 +76,7 @@ def test_a_saved_notebook_keeps_the_record_as_plain_outputs_without_widget_state
     assert WIDGET_VIEW not in text  # nothing left that would say "model not found"
     (record,) = rich_outputs(notebook.cells[1])
     page = record.data["text/html"]
-    assert page.count('class="nl-rank"') == 2 and page.count(">done<") == 2
+    assert page.count('class="nl-rank nl-done"') == 2 and page.count(">done<") == 2
     assert "<svg" in page and "step 7, rank 1, loss = 0.125" in page
     assert "&lt;img src=x onerror=alert(1)&gt;" in page and "<img" not in page
     assert "$\\frac$" in page  # the maths-text name is drawn as text, and never froze the record

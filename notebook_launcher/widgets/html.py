@@ -93,7 +93,7 @@ def _row_html(row: RankRow, now: float) -> str:
     style = _FAILED_ROW if row.state == "failed" else ""
     wrap = " overflow-wrap: anywhere; word-break: break-word;"
     tds = "".join(f'<td style="{_CELL}{wrap}">{cell}</td>' for cell in cells)
-    return f'<tr class="nl-rank nl-{_css_word(row.state)}" data-rank="{row.rank}" style="{style}">{tds}</tr>'
+    return f'<tr class="nl-rank nl-{css_word(row.state)}" data-rank="{row.rank}" style="{style}">{tds}</tr>'
 
 
 def _detail_html(row: RankRow) -> str:
@@ -119,7 +119,7 @@ def _metrics_html(row: RankRow) -> str:
     return shown
 
 
-def _css_word(state: str) -> str:
+def css_word(state: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in state)
 
 

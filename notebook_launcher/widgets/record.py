@@ -238,30 +238,34 @@ class LaunchRecord:
 
     def apply_metrics(self, metrics: Iterable[RankMetric]) -> None:
         """Many metric events at once: the dashboard's fast path for ranks that log a lot."""
-        by_raw, names = self._by_raw, self._names
+        by_raw, names, rows = self._by_raw, self._names, self.rows
         changed = False
         for metric in metrics:
             rank, step = metric.rank, metric.step
-            row = self.rows.get(rank) or self._row(rank)
+            row = rows.get(rank) or self._row(rank)
             if row.state == "starting":
                 row.state = "running"
             last = row.last_metrics
             for name, value in metric.values.items():
                 curve = by_raw.get((name, rank))
                 if curve is None:
-                    shown = names.get(name)
-                    if shown is None:
-                        shown = names[name] = _metric_name(name)
-                    curve = self.curves.get((shown, rank))
-                    if curve is None:
-                        curve = self.curves[(shown, rank)] = Curve()
-                    by_raw[(name, rank)] = curve
-                value = _as_float(value)
+                    curve = by_raw[(name, rank)] = self._curve(name, rank)
+                if type(value) is not float:
+                    value = _as_float(value)
                 curve.add(step, value)
-                last[names.get(name, name)] = value
+                last[names[name]] = value
             changed = True
         if changed:
             self.curves_version += 1
+
+    def _curve(self, name: str, rank: int) -> Curve:
+        shown = self._names.get(name)
+        if shown is None:
+            shown = self._names[name] = _metric_name(name)
+        curve = self.curves.get((shown, rank))
+        if curve is None:
+            curve = self.curves[(shown, rank)] = Curve()
+        return curve
 
     def _on_finished(self, event: RankFinished) -> None:
         row = self._row(event.rank)
@@ -332,8 +336,6 @@ def _metric_name(name: Any) -> str:
 
 
 def _as_float(value: Any) -> float:
-    if type(value) is float:
-        return value
     try:
         return float(value)
     except (TypeError, ValueError, OverflowError):

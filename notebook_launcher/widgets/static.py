@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import html
 
-from notebook_launcher.widgets.html import STATE_COLOURS
+from notebook_launcher.widgets.html import STATE_COLOURS, css_word
 from notebook_launcher.widgets.plot import Drawn, rank_colour
 from notebook_launcher.widgets.record import LaunchRecord, clean_text
 from notebook_launcher.widgets.text import format_seconds, headline, progress_text, shorten
@@ -55,7 +55,7 @@ def record_html(record: LaunchRecord, drawn: Drawn | None, plot_problem: str | N
             html.escape(row.device or "-"),
         ]
         rows.append(
-            f'<tr class="nl-rank" data-rank="{rank}">' + "".join(f"<td{_CELL}>{c}</td>" for c in cells) + "</tr>"
+            f'<tr class="nl-rank nl-{css_word(row.state)}" data-rank="{rank}">' + "".join(f"<td{_CELL}>{c}</td>" for c in cells) + "</tr>"
         )
     parts.append(f'<table class="nl-record-table"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>')
     if drawn is not None and drawn.svg:
