@@ -154,3 +154,30 @@ def test_the_first_rows_say_running_while_the_function_still_runs(tmp_path):
     finally:
         gate.touch()
         kernel.shutdown()
+
+
+def test_a_stopped_launch_ends_its_traceback_with_one_short_line():
+    kernel = RunningKernel()
+    try:
+        msg_id = kernel.submit(
+            """
+            import time
+            from notebook_launcher import notebook_launcher
+            def waits():
+                print("ready", flush=True)
+                time.sleep(300)
+            notebook_launcher(waits, num_processes=2)
+            """
+        )
+        kernel.collect(msg_id, until="ready")
+        kernel.manager.interrupt_kernel()
+        cell = kernel.collect(msg_id)
+        assert cell.error is not None and cell.error["ename"] == "KeyboardInterrupt"
+        traceback = "\n".join(cell.error["traceback"])
+        assert "selectors.py" not in traceback and "During handling" not in traceback
+        assert cell.error["evalue"] == "the launch was stopped; every rank has been ended"
+        # The record says so too.
+        final = [m for m in cell.messages if m["msg_type"] == "update_display_data"][-1]["content"]["data"]
+        assert "was interrupted after" in final["text/html"] and final["text/html"].count("nl-stopped") == 2
+    finally:
+        kernel.shutdown()

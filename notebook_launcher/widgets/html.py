@@ -27,8 +27,8 @@ _CELL = "padding: 2px 8px 2px 0; vertical-align: top; text-align: left;"
 # Column widths of the fixed layout: the table never grows past its output area, and the
 # error (or last line) comes right after the state, wrapping instead of running off.
 _COLUMNS = (
-    ("rank", "3.4em"), ("state", "6.6em"), ("elapsed", "4.6em"), ("error / last line", "auto"),
-    ("progress", "24%"), ("metrics", "22%"), ("device", "4.6em"), ("pid", "4.6em"),
+    ("rank", "3.4em"), ("state", "6.6em"), ("elapsed", "5.4em"), ("error / last line", "auto"),
+    ("progress", "19%"), ("metrics", "30%"), ("device", "4.2em"), ("pid", "4.2em"),
 )  # fmt: skip
 _DETAIL_CHARS = 300  # the error or last line, wrapped; the full text is in the rank's output
 _DESCRIPTION_CHARS = 24
@@ -111,7 +111,7 @@ def _metrics_html(row: RankRow) -> str:
         return "-"
     items = list(row.last_metrics.items())
     shown = " ".join(
-        f'<span style="white-space: nowrap;">{html.escape(shorten(name, 24))}={value:.4g}</span>'
+        f'<span style="white-space: nowrap; font-size: 11.5px;">{html.escape(shorten(name, 24))}={value:.4g}</span>'
         for name, value in items[:_METRICS_SHOWN]
     )
     if len(items) > _METRICS_SHOWN:

@@ -77,7 +77,7 @@ def render_svg(curves: Curves, previous: Curves | None = None) -> Drawn:
     logged += sum(curves[key].calls for key in curves if key[0] not in shown)
     svg = (
         f'<svg xmlns="http://www.w3.org/2000/svg" class="nl-plot" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="10" '
+        f'viewBox="0 0 {width} {height}" style="max-width: 100%; height: auto;" font-family="sans-serif" font-size="10" '
         f'role="img" aria-label="{_attr(_caption(drawn, logged, marked, metrics, shown, compared))}">'
         + "".join(parts)
         + "</svg>"

@@ -77,7 +77,7 @@ def console(app: App) -> list[str]:
 
 @pytest.fixture(scope="module")
 def page(browser: object, app: App, gate: Path, console: list[str]) -> Iterator[object]:  # noqa: F811
-    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(SOURCE.format(gate=str(gate)))])
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(SOURCE.replace("{gate!r}", repr(str(gate))))])
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(notebook, app.root_dir / NAME)
     context = browser.new_context(viewport={"width": 1280, "height": 1000})  # type: ignore[attr-defined]
@@ -99,12 +99,14 @@ def test_hovering_the_live_plot_shows_step_rank_and_value(page: object, app: App
     from playwright.sync_api import expect
 
     live = page.locator(DASHBOARD)  # type: ignore[attr-defined]
-    point = live.locator("svg circle.nl-point").last
-    expect(point).to_be_attached(timeout=180_000)  # the ranks wait at the gate: the launch is live
+    # The ranks wait at the gate: the launch is live until the test opens it.
+    page.wait_for_function(  # type: ignore[attr-defined]
+        """() => [...document.querySelectorAll('.notebook-launcher-dashboard svg circle.nl-point title')]
+                 .some(t => t.textContent === 'step 29, rank 1, loss = 0.0333333')""",
+        timeout=180_000,
+    )
     expect(live.locator("tr.nl-running")).to_have_count(2)
-    titles = live.locator("svg circle.nl-point title").all_text_contents()
-    assert "step 29, rank 1, loss = 0.0333333" in titles, titles[-5:]
-    point.hover()
+    live.locator("svg circle.nl-point").last.hover()
     assert not gate.exists()
     _screenshot(live, f"dashboard-{app.name}-live")
     live.screenshot(path=str(DOCS / f"dashboard-live-{app.name}.png"))
@@ -124,7 +126,7 @@ def test_the_failed_ranks_error_is_seen_first_inside_the_output_area(page: objec
     assert box is not None and frame is not None
     assert frame["x"] <= box["x"] and box["x"] + box["width"] <= frame["x"] + frame["width"] + 1, (box, frame)
     assert "[31m" not in record.inner_text()
-    expect(page.get_by_text("caught")).to_be_visible()  # type: ignore[attr-defined]
+    expect(page.get_by_text("caught", exact=True)).to_be_visible()  # type: ignore[attr-defined]
     assert page.get_by_text("Error displaying widget").count() == 0  # type: ignore[attr-defined]
     record.screenshot(path=str(DOCS / f"dashboard-record-{app.name}.png"))
 
