@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 import xml.dom.minidom
 
@@ -17,8 +16,8 @@ from notebook_launcher.launcher.events import (
     RankMetric,
     RankStarted,
 )
-from notebook_launcher.widgets.dashboard import DashboardWarning, WidgetDashboard
 from notebook_launcher.widgets import history
+from notebook_launcher.widgets.dashboard import DashboardWarning, WidgetDashboard
 from notebook_launcher.widgets.plot import render_svg
 from notebook_launcher.widgets.record import Curve
 

@@ -23,7 +23,13 @@ from notebook_launcher.widgets.record import LaunchRecord, clean_text
 from notebook_launcher.widgets.static import record_html
 from notebook_launcher.widgets.text import TextDashboard
 
-HOSTILE = ["$\\frac$", "<img src=x onerror=alert(1)>", "x" * 10_000, "bytes \udcff\udcfe", "\x1b[31mred\x1b[0m"]
+HOSTILE = [
+    "$\\frac$",
+    "<img src=x onerror=alert(1)>",
+    "x" * 10_000,
+    "bytes \udcff\udcfe",
+    "\x1b[31mred\x1b[0m",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +39,9 @@ def fresh_history():
     history.forget()
 
 
-def launched(metrics: list[tuple[int, dict[str, float], int | None]], ranks: int = 2) -> LaunchRecord:
+def launched(
+    metrics: list[tuple[int, dict[str, float], int | None]], ranks: int = 2
+) -> LaunchRecord:
     record = LaunchRecord()
     record.apply(LaunchStarted(ranks, "fork", "cpu", "no", None))
     for rank in range(ranks):
@@ -49,7 +57,9 @@ def titles(svg: str) -> list[str]:
 
 
 def test_hovering_a_point_tells_its_step_rank_and_value():
-    record = launched([(rank, {"loss": 1.0 / (step + 1 + rank)}, step) for step in range(5) for rank in range(2)])
+    record = launched(
+        [(rank, {"loss": 1.0 / (step + 1 + rank)}, step) for step in range(5) for rank in range(2)]
+    )
     drawn = render_svg(record.curves)
     assert "step 3, rank 1, loss = 0.2" in titles(drawn.svg)
     assert drawn.caption.startswith("10 points drawn of 10 logged")
@@ -73,7 +83,7 @@ def test_nan_and_inf_are_marked_and_an_all_nan_metric_says_so():
     assert "step 1, rank 0, loss = nan" in shown and "step 3, rank 0, loss = inf" in shown
     assert "step 5, rank 0, loss = -inf" in shown
     assert "all values are NaN (6 logged)" in drawn.svg
-    assert "9 NaN/inf values logged, marked ×" in drawn.caption
+    assert "9 NaN/inf values logged, marked with a cross" in drawn.caption
     assert drawn.caption.startswith("3 points drawn of 12 logged")
 
 
@@ -98,14 +108,21 @@ def test_the_previous_launch_is_drawn_faded_beside():
     now = launched([(0, {"loss": 1.0 / (s + 1)}, s) for s in range(5)], ranks=1)
     drawn = render_svg(now.curves, before.curves)
     assert "previous launch: rank 0, loss" in titles(drawn.svg)
-    assert 'stroke-dasharray="4 3"' in drawn.svg and "previous launch in this kernel" in drawn.caption
+    assert (
+        'stroke-dasharray="4 3"' in drawn.svg and "previous launch in this kernel" in drawn.caption
+    )
 
 
 def test_ansi_colour_codes_and_bad_bytes_never_reach_the_record():
-    assert clean_text("\x1b[31mValueError\x1b[0m: \x1b]8;;http://x\x07link\x1b]8;;\x07 \udcff") == "ValueError: link ?"
+    assert (
+        clean_text("\x1b[31mValueError\x1b[0m: \x1b]8;;http://x\x07link\x1b]8;;\x07 \udcff")
+        == "ValueError: link ?"
+    )
     record = launched([], ranks=1)
     record.apply(OutputLine(0, "stderr", "\x1b[1;31merror\x1b[0m in step", False))
-    failure = RankFailure(0, 100, 1, "ValueError", "\x1b[31mboom\x1b[0m", "Traceback\n\x1b[31mValueError: boom\x1b[0m")
+    failure = RankFailure(
+        0, 100, 1, "ValueError", "\x1b[31mboom\x1b[0m", "Traceback\n\x1b[31mValueError: boom\x1b[0m"
+    )
     record.apply(RankFinished(0, 1, failure, "failed"))
     record.apply(LaunchFinished("failed", 1.0))
     page = record_html(record, None)
@@ -115,7 +132,14 @@ def test_ansi_colour_codes_and_bad_bytes_never_reach_the_record():
 
 def test_a_record_shows_the_failed_ranks_error_first_and_its_traceback():
     record = launched([(0, {"loss": 1.0}, 0)], ranks=2)
-    failure = RankFailure(1, 101, 1, "ValueError", "<b>lr</b> too large", "Traceback (most recent call last):\nValueError: x")
+    failure = RankFailure(
+        1,
+        101,
+        1,
+        "ValueError",
+        "<b>lr</b> too large",
+        "Traceback (most recent call last):\nValueError: x",
+    )
     record.apply(RankFinished(1, 1, failure, "failed"))
     record.apply(RankFinished(0, -15, None, "stopped"))
     record.apply(LaunchFinished("failed", 2.0))
@@ -128,7 +152,7 @@ def test_a_record_shows_the_failed_ranks_error_first_and_its_traceback():
 
 
 def test_launches_returns_the_kept_records_as_plain_data():
-    board = TextDashboard(stream=open("/dev/null", "w"))  # noqa: SIM115
+    board = TextDashboard(stream=open("/dev/null", "w"))
     board.on_event(LaunchStarted(1, "fork", "cpu", "no", None))
     board.on_event(RankStarted(0, 100, "cpu"))
     board.on_event(RankMetric(0, {"loss": 0.5}, 3))

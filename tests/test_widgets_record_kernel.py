@@ -58,7 +58,9 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("JUPYTER_RUNTIME_DIR", str(folder / "runtime"))
         env.setenv("JUPYTER_CONFIG_DIR", str(folder / "config"))
-        env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        env.setenv(
+            "PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        )
         NotebookClient(notebook, timeout=240, kernel_name="python3",
                        resources={"metadata": {"path": str(folder)}}).execute()  # fmt: skip
     path = folder / "launch.ipynb"
@@ -98,19 +100,28 @@ def test_a_failed_launch_keeps_the_error_and_traceback_in_its_record(saved):
 def test_launches_returns_both_launches_as_plain_data(saved):
     notebook = nbformat.read(saved, as_version=4)
     shown = "".join(o.text for o in notebook.cells[3].outputs if o.output_type == "stream")
-    assert shown.startswith("[('ok', ['done', 'done'], ['$\\\\frac$', '<img src=x onerror=alert(1)>'")
+    assert shown.startswith(
+        "[('ok', ['done', 'done'], ['$\\\\frac$', '<img src=x onerror=alert(1)>'"
+    )
     assert "('failed', ['stopped', 'failed']" in shown or "('failed', ['done', 'failed']" in shown
 
 
 def test_the_tqdm_bar_is_not_repeated_in_the_cells_lines(saved):
     notebook = nbformat.read(saved, as_version=4)
-    stderr = "".join(o.text for o in notebook.cells[1].outputs if o.output_type == "stream" and o.name == "stderr")
+    stderr = "".join(
+        o.text
+        for o in notebook.cells[1].outputs
+        if o.output_type == "stream" and o.name == "stderr"
+    )
     assert stderr.count("epoch 1") <= 2  # at most the final state of each rank's bar
 
 
 def test_nbconvert_html_shows_the_table_and_the_plot_without_a_kernel(saved):
     subprocess.run(
-        [sys.executable, "-m", "nbconvert", "--to", "html", str(saved)], check=True, capture_output=True, timeout=120
+        [sys.executable, "-m", "nbconvert", "--to", "html", str(saved)],
+        check=True,
+        capture_output=True,
+        timeout=120,
     )
     page = saved.with_suffix(".html").read_text()
     assert page.count('class="nl-record-table"') == 2
@@ -145,8 +156,12 @@ def test_the_first_rows_say_running_while_the_function_still_runs(tmp_path):
                 value = content["data"].get("state", {}).get("value", "")
                 if "<table" in value:
                     seen = value
-            assert message["msg_type"] != "status" or content["execution_state"] != "idle", "ended before running"
-        assert not gate.exists()  # the ranks are still waiting: the row came from the running launch
+            assert message["msg_type"] != "status" or content["execution_state"] != "idle", (
+                "ended before running"
+            )
+        assert (
+            not gate.exists()
+        )  # the ranks are still waiting: the row came from the running launch
         assert "running for" not in seen  # (the headline is a separate widget)
         gate.touch()
         cell = kernel.collect(msg_id)
@@ -177,7 +192,12 @@ def test_a_stopped_launch_ends_its_traceback_with_one_short_line():
         assert "selectors.py" not in traceback and "During handling" not in traceback
         assert cell.error["evalue"] == "the launch was stopped; every rank has been ended"
         # The record says so too.
-        final = [m for m in cell.messages if m["msg_type"] == "update_display_data"][-1]["content"]["data"]
-        assert "was interrupted after" in final["text/html"] and final["text/html"].count("nl-stopped") == 2
+        final = [m for m in cell.messages if m["msg_type"] == "update_display_data"][-1]["content"][
+            "data"
+        ]
+        assert (
+            "was interrupted after" in final["text/html"]
+            and final["text/html"].count("nl-stopped") == 2
+        )
     finally:
         kernel.shutdown()

@@ -57,7 +57,9 @@ class DashboardWarning(RuntimeWarning):
 class WidgetDashboard:
     shows_progress = True  # the launcher's printer then leaves out the bars' redraws
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, tick_s: float | None = TICK_S) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, tick_s: float | None = TICK_S
+    ) -> None:
         import ipywidgets  # imported here: the launcher must import without it
 
         self._widgets: Any = ipywidgets
@@ -81,7 +83,7 @@ class WidgetDashboard:
 
     def on_event(self, event: LaunchEvent) -> None:
         if event.__class__ is RankMetric:  # the hot path: taken in by the ticker
-            self._metrics.append(event)  # type: ignore[arg-type]
+            self._metrics.append(event)
             return
         finished = isinstance(event, LaunchFinished)
         if not finished:
@@ -169,7 +171,9 @@ class WidgetDashboard:
 
         layout, style = w.Layout(), HTMLStyle()
         self.rows = self.header = w.HTML(self._table_html(now), layout=layout, style=style)
-        self.plot = w.HTML(layout=w.Layout(display="none", max_width="100%", overflow="auto"), style=style)
+        self.plot = w.HTML(
+            layout=w.Layout(display="none", max_width="100%", overflow="auto"), style=style
+        )
         self.outputs = [
             w.HTML(views.output_html(self.record.rows[r], 0), layout=layout, style=style)
             for r in sorted(self.record.rows)
@@ -197,7 +201,11 @@ class WidgetDashboard:
     def _bundle(self) -> dict[str, Any]:
         # The text form travels with the widget: frontends that draw no widgets show it.
         return {
-            WIDGET_VIEW_MIME: {"version_major": 2, "version_minor": 0, "model_id": self.box.model_id},
+            WIDGET_VIEW_MIME: {
+                "version_major": 2,
+                "version_minor": 0,
+                "model_id": self.box.model_id,
+            },
             "text/plain": summary(self.record, self.record.now()),
         }
 
@@ -215,13 +223,16 @@ class WidgetDashboard:
         except Exception as error:  # the table still reaches its final state
             problem = f"{type(error).__name__}: {error}"
         self.final_html = record_html(self.record, drawn, problem)
-        bundle = {"text/html": self.final_html, "text/plain": summary(self.record, self.record.now())}
+        bundle = {
+            "text/html": self.final_html,
+            "text/plain": summary(self.record, self.record.now()),
+        }
         if self._handle is not None:
             self._handle.update(bundle, raw=True)
         for widget in self._models:
             try:
                 widget.close()
-            except Exception:  # noqa: S112  (a frontend gone: nothing left to free)
+            except Exception:
                 continue
 
     def _previous_curves(self) -> dict[tuple[str, int], Any] | None:
@@ -243,16 +254,18 @@ class WidgetDashboard:
                 widget.value = views.output_html(record.rows[rank], OUTPUT_LINES_SHOWN)
             self._title_outputs()
         wait = max(PLOT_INTERVAL_S, PLOT_COST_FACTOR * self._plot_cost)
-        if not final and record.curves_version != self._shown["curves"] and now - self._last["plot"] >= wait:
+        if (
+            not final
+            and record.curves_version != self._shown["curves"]
+            and now - self._last["plot"] >= wait
+        ):
             self._draw_plot()
 
     def _draw_plot(self) -> None:
         started = time.perf_counter()
         self._shown["curves"] = self.record.curves_version
         drawn = render_svg(self.record.shown_curves(), self._previous_curves())
-        self.plot.value = (
-            f'{drawn.svg}<div style="font-size: 11px; opacity: 0.65;">{html.escape(drawn.caption)}</div>'
-        )
+        self.plot.value = f'{drawn.svg}<div style="font-size: 11px; opacity: 0.65;">{html.escape(drawn.caption)}</div>'
         self.plot.layout.display = ""
         self.plot_draws += 1
         self._plot_cost = time.perf_counter() - started

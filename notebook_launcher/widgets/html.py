@@ -50,7 +50,9 @@ def header_html(record: LaunchRecord, now: float) -> str:
             f"because {html.escape(record.fallback_reason)}</span>"
         )
     if record.notice:
-        parts.append(f'<br><span style="opacity: 0.85;">{html.escape(shorten(record.notice, _DETAIL_CHARS))}</span>')
+        parts.append(
+            f'<br><span style="opacity: 0.85;">{html.escape(shorten(record.notice, _DETAIL_CHARS))}</span>'
+        )
     parts.append("</div>")
     return "".join(parts)
 
@@ -140,7 +142,9 @@ def _progress_html(row: RankRow) -> str:
         )
     label = progress.label()
     if progress.description and len(progress.description) > _DESCRIPTION_CHARS:
-        label = label.replace(progress.description, shorten(progress.description, _DESCRIPTION_CHARS), 1)
+        label = label.replace(
+            progress.description, shorten(progress.description, _DESCRIPTION_CHARS), 1
+        )
     return f'{bar}<span class="nl-progress">{html.escape(label)}</span>'
 
 

@@ -69,9 +69,15 @@ def render_svg(curves: Curves, previous: Curves | None = None) -> Drawn:
     for index, metric in enumerate(shown):
         x0, y0 = (index % columns) * PANEL_W, (index // columns) * PANEL_H
         ranks = sorted(rank for name, rank in curves if name == metric)
-        before = {rank: previous[(metric, rank)] for rank in ranks if previous and (metric, rank) in previous}
+        before = {
+            rank: previous[(metric, rank)]
+            for rank in ranks
+            if previous and (metric, rank) in previous
+        }
         compared = compared or bool(before)
-        panel, counts = _panel(metric, {rank: curves[(metric, rank)] for rank in ranks}, before, x0, y0)
+        panel, counts = _panel(
+            metric, {rank: curves[(metric, rank)] for rank in ranks}, before, x0, y0
+        )
         parts.append(panel)
         drawn, logged, marked = drawn + counts[0], logged + counts[1], marked + counts[2]
     logged += sum(curves[key].calls for key in curves if key[0] not in shown)
@@ -85,12 +91,16 @@ def render_svg(curves: Curves, previous: Curves | None = None) -> Drawn:
     return Drawn(svg, _caption(drawn, logged, marked, metrics, shown, compared), drawn)
 
 
-def _caption(drawn: int, logged: int, marked: int, metrics: list[str], shown: list[str], compared: bool) -> str:
+def _caption(
+    drawn: int, logged: int, marked: int, metrics: list[str], shown: list[str], compared: bool
+) -> str:
     text = f"{drawn:,} point{'s' if drawn != 1 else ''} drawn of {logged:,} logged"
     if marked:
-        text += f"; {marked:,} NaN/inf value{'s' if marked != 1 else ''} logged, marked ×"
+        text += (
+            f"; {marked:,} NaN/inf value{'s' if marked != 1 else ''} logged, marked with a cross"
+        )
     if len(shown) < len(metrics):
-        rest = ", ".join(_short(m) for m in metrics[len(shown):][:10])
+        rest = ", ".join(_short(m) for m in metrics[len(shown) :][:10])
         text += f"; {len(metrics) - len(shown)} more metrics not drawn ({rest}{', …' if len(metrics) - len(shown) > 10 else ''})"
     if compared:
         text += "; faded dashed lines: the previous launch in this kernel"
@@ -116,7 +126,11 @@ def _panel(
         'stroke="currentColor" stroke-opacity="0.25"/>'
     )
     if not finite:
-        what = "all values are NaN" if all(math.isnan(v) for pts in sampled.values() for _, v in pts) else "no finite values"
+        what = (
+            "all values are NaN"
+            if all(math.isnan(v) for pts in sampled.values() for _, v in pts)
+            else "no finite values"
+        )
         out.append(
             f'<text x="{(left + right) / 2}" y="{(top + bottom) / 2}" text-anchor="middle" fill="#d62728">'
             f"{what} ({logged:,} logged)</text>"
@@ -206,7 +220,7 @@ def _panel(
             )
     if nonfinite and finite:
         out.append(
-            f'<text x="{right}" y="{y0 + 14}" text-anchor="end" fill="#d62728">{nonfinite} NaN/inf ×</text>'
+            f'<text x="{right}" y="{y0 + 14}" text-anchor="end" fill="#d62728">{nonfinite} NaN/inf</text>'
         )
     return "".join(out), (drawn, logged, nonfinite)
 

@@ -12,7 +12,8 @@ import dataclasses
 import math
 import re
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Iterable
+from typing import Any, Callable
 
 from notebook_launcher.errors import RankFailure
 from notebook_launcher.launcher.events import (
@@ -172,7 +173,9 @@ class LaunchRecord:
             self._on_metric(event)
         elif isinstance(event, RankProgress):
             row = self._row(event.rank)
-            row.progress = Progress(event.n, event.total, clean_text(event.description), from_core=True)
+            row.progress = Progress(
+                event.n, event.total, clean_text(event.description), from_core=True
+            )
             self.progress_version += 1
             self._alive(row)
         elif isinstance(event, RankStarted):
@@ -323,7 +326,11 @@ def record_data(record: LaunchRecord) -> dict[str, Any]:
 def failure_line(failure: RankFailure) -> str:
     """The first line of what went wrong, e.g. ``ValueError: learning rate too large``."""
     if failure.exception_type:
-        text = f"{failure.exception_type}: {failure.message}" if failure.message else failure.exception_type
+        text = (
+            f"{failure.exception_type}: {failure.message}"
+            if failure.message
+            else failure.exception_type
+        )
     else:
         text = re.sub(r"^Rank \d+ (\(pid \d+\) )?", "", failure.summary())
     lines = text.strip().splitlines()

@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the app and browser fixtures are shared with test_widgets)
 """The dashboard in JupyterLab 4 and Notebook 7 through chromium: hover on the live plot,
 a failed rank's error inside the output area, the record left when the launch ends, and
 that record after the notebook is saved, its kernel shut down and the page opened again.
@@ -23,7 +24,7 @@ DASHBOARD = ".notebook-launcher-dashboard"
 RECORD = ".nl-record"
 ERROR = "ValueError: rank 1 diverged: loss is nan"
 
-SOURCE = '''
+SOURCE = """
 import os, time
 from notebook_launcher import notebook_launcher
 
@@ -46,7 +47,7 @@ try:
     notebook_launcher(train, args=({gate!r},), num_processes=2)
 except ValueError:
     print("caught")
-'''
+"""
 
 
 def _kernels(app: App) -> list[dict]:
@@ -56,7 +57,9 @@ def _kernels(app: App) -> list[dict]:
 
 def _shut_down_kernels(app: App) -> None:
     for kernel in _kernels(app):
-        request = urllib.request.Request(f"{app.url}api/kernels/{kernel['id']}?token={app.token}", method="DELETE")
+        request = urllib.request.Request(
+            f"{app.url}api/kernels/{kernel['id']}?token={app.token}", method="DELETE"
+        )
         urllib.request.urlopen(request, timeout=30).close()
 
 
@@ -76,9 +79,15 @@ def console(app: App) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def page(browser: object, app: App, gate: Path, console: list[str]) -> Iterator[object]:  # noqa: F811
-    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(SOURCE.replace("{gate!r}", repr(str(gate))))])
-    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+def page(browser: object, app: App, gate: Path, console: list[str]) -> Iterator[object]:
+    notebook = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell(SOURCE.replace("{gate!r}", repr(str(gate))))]
+    )
+    notebook.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     nbformat.write(notebook, app.root_dir / NAME)
     context = browser.new_context(viewport={"width": 1280, "height": 1000})  # type: ignore[attr-defined]
     page = context.new_page()
@@ -95,7 +104,9 @@ def page(browser: object, app: App, gate: Path, console: list[str]) -> Iterator[
     context.close()
 
 
-def test_hovering_the_live_plot_shows_step_rank_and_value(page: object, app: App, gate: Path) -> None:
+def test_hovering_the_live_plot_shows_step_rank_and_value(
+    page: object, app: App, gate: Path
+) -> None:
     from playwright.sync_api import expect
 
     live = page.locator(DASHBOARD)  # type: ignore[attr-defined]
@@ -112,7 +123,9 @@ def test_hovering_the_live_plot_shows_step_rank_and_value(page: object, app: App
     live.screenshot(path=str(DOCS / f"dashboard-live-{app.name}.png"))
 
 
-def test_the_failed_ranks_error_is_seen_first_inside_the_output_area(page: object, app: App, gate: Path) -> None:
+def test_the_failed_ranks_error_is_seen_first_inside_the_output_area(
+    page: object, app: App, gate: Path
+) -> None:
     from playwright.sync_api import expect
 
     gate.touch()
@@ -124,14 +137,19 @@ def test_the_failed_ranks_error_is_seen_first_inside_the_output_area(page: objec
     area = page.locator(".jp-OutputArea-output").filter(has=failed).first  # type: ignore[attr-defined]
     box, frame = error.bounding_box(), area.bounding_box()
     assert box is not None and frame is not None
-    assert frame["x"] <= box["x"] and box["x"] + box["width"] <= frame["x"] + frame["width"] + 1, (box, frame)
+    assert frame["x"] <= box["x"] and box["x"] + box["width"] <= frame["x"] + frame["width"] + 1, (
+        box,
+        frame,
+    )
     assert "[31m" not in record.inner_text()
     expect(page.get_by_text("caught", exact=True)).to_be_visible()  # type: ignore[attr-defined]
     assert page.get_by_text("Error displaying widget").count() == 0  # type: ignore[attr-defined]
     record.screenshot(path=str(DOCS / f"dashboard-record-{app.name}.png"))
 
 
-def test_the_saved_notebook_reopened_without_its_kernel_still_shows_the_record(page: object, app: App) -> None:
+def test_the_saved_notebook_reopened_without_its_kernel_still_shows_the_record(
+    page: object, app: App
+) -> None:
     from playwright.sync_api import expect
 
     expect(page.locator(RECORD)).to_be_visible(timeout=180_000)  # type: ignore[attr-defined]
@@ -158,10 +176,14 @@ def test_the_saved_notebook_reopened_without_its_kernel_still_shows_the_record(p
     record.screenshot(path=str(DOCS / f"dashboard-reopened-{app.name}.png"))
 
 
-def test_the_sidebar_loads_without_a_console_error_and_opens(page: object, app: App, console: list[str]) -> None:
+def test_the_sidebar_loads_without_a_console_error_and_opens(
+    page: object, app: App, console: list[str]
+) -> None:
     from playwright.sync_api import expect
 
-    assert not [line for line in console if "ILabShell" in line or "notebook-launcher" in line.lower()], console
+    assert not [
+        line for line in console if "ILabShell" in line or "notebook-launcher" in line.lower()
+    ], console
     page.evaluate("() => window.jupyterapp.commands.execute('notebook-launcher:open-sidebar')")  # type: ignore[attr-defined]
     sidebar = page.locator("#notebook-launcher-sidebar")  # type: ignore[attr-defined]
     expect(sidebar).to_be_visible()
