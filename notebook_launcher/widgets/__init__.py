@@ -1,7 +1,7 @@
 """Seeing and choosing in the cell: the ``configure()`` panel and the launch dashboard.
 
-Light to import: ipywidgets and matplotlib are imported only when a panel or a widget
-dashboard is actually shown, so ``import notebook_launcher`` stays cheap for the server
+Light to import: ipywidgets is imported only when a panel or a widget dashboard is
+actually shown, so ``import notebook_launcher`` stays cheap for the server
 extension and the command line.
 """
 
