@@ -47,6 +47,7 @@ PLOT_INTERVAL_S = 1.0
 PLOT_COST_FACTOR = 5.0
 OUTPUT_LINES_SHOWN = 400
 TICK_S = 0.25  # how stale the dashboard may get while no event arrives
+METRICS_BATCH = 256  # metric events queued before the cell's thread takes them in
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
 
 
@@ -82,8 +83,18 @@ class WidgetDashboard:
         self.ticker_cpu_s = 0.0  # what the ticker thread spent, for benchmarks
 
     def on_event(self, event: LaunchEvent) -> None:
-        if event.__class__ is RankMetric:  # the hot path: taken in by the ticker
-            self._metrics.append(event)
+        if event.__class__ is RankMetric:  # the hot path: queued, taken in by the batch
+            pending = self._metrics
+            pending.append(event)
+            # Taken in here once a batch is queued (unless the ticker is drawing): events
+            # kept alive longer would be promoted by the garbage collector and cost more.
+            if len(pending) >= METRICS_BATCH and self._lock.acquire(blocking=False):
+                try:
+                    self._take_metrics()
+                except Exception as error:  # never the launch's problem
+                    self._broken, self._error = True, error
+                finally:
+                    self._lock.release()
             return
         finished = isinstance(event, LaunchFinished)
         if not finished:

@@ -51,8 +51,10 @@ def progress_text(row: RankRow) -> str:
     return f"{fraction:4.0%} {label}" if fraction is not None else label
 
 
-def metrics_text(row: RankRow) -> str:
-    return " ".join(f"{name}={value:.4g}" for name, value in row.last_metrics.items()) or "-"
+def metrics_text(row: RankRow, shown: int = 6) -> str:
+    items = list(row.last_metrics.items())
+    text = " ".join(f"{shorten(name, 24)}={value:.4g}" for name, value in items[:shown]) or "-"
+    return text + (f" (+{len(items) - shown} more)" if len(items) > shown else "")
 
 
 def detail_text(row: RankRow) -> str:
