@@ -1,15 +1,20 @@
 """What the live dashboard costs, measured in a real Jupyter kernel, side by side.
 
 1. Launch overhead: the same 2-rank launch (gloo init, one all_reduce, destroy) with the
-   widget dashboard on and off, interleaved in rounds; once as a bare job and once with a
-   job that logs 20 metrics and shows a tqdm bar (so the dashboard draws rows and a plot).
+   widget dashboard on and off, interleaved in rounds, timed from the kernel's own busy
+   and idle messages for the cell; once as a bare job and once with a job whose ranks log
+   20 metrics for 20 steps under a tqdm bar (so the dashboard draws rows, a plot of 20
+   panels and the lasting record).
 2. A rank logging 1,000 metrics a second for 10 s: how long its loop of fixed work takes
    with the dashboard on, off, and without the log calls at all; and how soon a cell
    queued behind the launch starts after the rank's loop ended (the kernel kept up).
+3. A flood: 2 ranks each calling ``accelerator.log`` N times as fast as they can; the
+   kernel's CPU time over the launch with the dashboard on and off, interleaved.
 
-Prints medians and ratios.
+Prints medians and ratios, and the machine's load average before and after.
 
     python benchmarks/bench_dashboard.py [--rounds 15] [--storm-seconds 10] [--storm-rounds 3]
+        [--flood-calls 500000] [--flood-rounds 3] [--only launch|storm|flood]
 """
 
 from __future__ import annotations
@@ -46,9 +51,15 @@ def logging_job():
     accelerator = Accelerator()
     value = torch.ones(1)
     dist.all_reduce(value)
-    for step in accelerator.tqdm(range(20)):
-        accelerator.log({"loss": 1.0 / (step + 1)}, step=step)
+    for step in accelerator.tqdm(range(20), desc="training"):
+        accelerator.log({f"metric_{i}": 1.0 / (step + 1 + i) for i in range(20)}, step=step)
     return value.item()
+
+def flood(calls):
+    from notebook_launcher import Accelerator
+    accelerator = Accelerator()
+    for step in range(calls):
+        accelerator.log({"loss": 1.0 / (step + 1)}, step=step)
 
 def kernel_cpu(launch):
     # The kernel's own CPU time over a launch: what watching (and the dashboard) costs it.
@@ -105,6 +116,11 @@ class Kernel:
     def run(self, code: str, timeout: float = 600) -> str:
         return self.collect(self.client.execute(textwrap.dedent(code)), timeout)
 
+    def busy_s(self, code: str, timeout: float = 600) -> float:
+        """Seconds from the kernel's busy to its idle message for this cell (kernel clock)."""
+        self.collect(self.client.execute(textwrap.dedent(code)), timeout)
+        return (self.idle_at - self.busy_at).total_seconds()
+
     def collect(self, msg_id: str, timeout: float = 600) -> str:
         out, deadline = "", time.monotonic() + timeout
         while True:
@@ -121,7 +137,10 @@ class Kernel:
                 out += content["text"]
             elif kind == "error":
                 raise RuntimeError("\n".join(content["traceback"]))
+            elif kind == "status" and content["execution_state"] == "busy":
+                self.busy_at = message["header"]["date"]
             elif kind == "status" and content["execution_state"] == "idle":
+                self.idle_at = message["header"]["date"]
                 return out
 
     def close(self) -> None:
@@ -130,14 +149,36 @@ class Kernel:
 
 
 def launch_overhead(kernel: Kernel, job: str, rounds: int) -> dict[str, list[float]]:
-    kernel.run(f"timed({job}, True); timed({job}, False)")  # warm: imports, forkserver, matplotlib
+    kernel.run(f"timed({job}, True); timed({job}, False)")  # warm: imports, forkserver
     times: dict[str, list[float]] = {"on": [], "off": []}
     for index in range(rounds):
         order = ("on", "off") if index % 2 == 0 else ("off", "on")
         for variant in order:
-            out = kernel.run(f"print(timed({job}, {variant == 'on'}))")
-            times[variant].append(float(out.strip()))
+            times[variant].append(kernel.busy_s(
+                f"notebook_launcher({job}, num_processes=2, start_method='fork', output='none', "
+                f"dashboard={variant == 'on'})"
+            ))  # fmt: skip
     return times
+
+
+def flood_report(kernel: Kernel, calls: int, rounds: int) -> None:
+    print(f"\n2 ranks x {calls:,} accelerator.log calls, fork, {rounds} interleaved rounds (medians):")
+    cpu: dict[str, list[float]] = {"on": [], "off": []}
+    wall: dict[str, list[float]] = {"on": [], "off": []}
+    for index in range(rounds):
+        order = ("on", "off") if index % 2 == 0 else ("off", "on")
+        for variant in order:
+            out = kernel.run(
+                f"print(json.dumps(kernel_cpu(lambda: [notebook_launcher(flood, args=({calls},), num_processes=2, "
+                f"start_method='fork', output='none', dashboard={variant == 'on'})])))"
+            )
+            cpu[variant].append(json.loads(out.strip().splitlines()[-1])[-1])
+            wall[variant].append((kernel.idle_at - kernel.busy_at).total_seconds())
+    on, off = statistics.median(cpu["on"]), statistics.median(cpu["off"])
+    print(f"  kernel CPU s: dashboard off {off:.2f}   on {on:.2f}   ratio {on / off:.3f}x"
+          f"   (rounds off {', '.join(f'{v:.1f}' for v in cpu['off'])}; on {', '.join(f'{v:.1f}' for v in cpu['on'])})")
+    w_on, w_off = statistics.median(wall["on"]), statistics.median(wall["off"])
+    print(f"  cell busy s:  dashboard off {w_off:.2f}   on {w_on:.2f}   ratio {w_on / w_off:.3f}x")
 
 
 Series = dict[str, list[float]]
@@ -194,20 +235,26 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--storm-seconds", type=float, default=10.0)
     parser.add_argument("--storm-rounds", type=int, default=3)
-    parser.add_argument("--only", choices=("launch", "storm"), help="run one of the two parts")
+    parser.add_argument("--flood-calls", type=int, default=500_000)
+    parser.add_argument("--flood-rounds", type=int, default=3)
+    parser.add_argument("--only", choices=("launch", "storm", "flood"), help="run one of the parts")
     options = parser.parse_args()
+    print(f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())} on {os.cpu_count()} CPUs")
     kernel = Kernel()
     try:
-        if options.only != "storm":
+        if options.only in (None, "launch"):
             print(f"2-rank launch in a Jupyter kernel, fork, {options.rounds} interleaved rounds (median s):")
-        for job in ("bare_job", "logging_job") if options.only != "storm" else ():
+        for job in ("bare_job", "logging_job") if options.only in (None, "launch") else ():
             times = launch_overhead(kernel, job, options.rounds)
             on, off = statistics.median(times["on"]), statistics.median(times["off"])
             print(f"  {job:12s} dashboard off {off:.3f}   dashboard on {on:.3f}   ratio {on / off:.2f}x")
-        if options.only != "launch":
+        if options.only in (None, "storm"):
             storm_report(kernel, options.storm_seconds, options.storm_rounds)
+        if options.only in (None, "flood"):
+            flood_report(kernel, options.flood_calls, options.flood_rounds)
     finally:
         kernel.close()
+        print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     return 0
 
 

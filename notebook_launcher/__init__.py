@@ -20,7 +20,7 @@ from notebook_launcher.server import (  # noqa: F401  (Jupyter finds its extensi
     _jupyter_server_extension_points,
 )
 from notebook_launcher.session import Session
-from notebook_launcher.widgets import configure
+from notebook_launcher.widgets import configure, launches
 
 try:
     __version__ = importlib.metadata.version("notebook-launcher")
@@ -80,6 +80,7 @@ __all__ = [
     "__version__",
     "configure",
     "debug_launcher",
+    "launches",
     "notebook_launcher",
     "set_seed",
 ]

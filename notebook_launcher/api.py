@@ -88,7 +88,9 @@ def notebook_launcher(
     prepared = launch.prepare(function, args, kwargs, call)
     board = dashboard_observer(dashboard)
     extra = [board] if board is not None else []
-    return prepared.run([*extra, *(observers or [])])
+    # The dashboard shows progress bars: the cell's lines then keep only their final state.
+    progress_lines = not getattr(board, "shows_progress", False)
+    return prepared.run([*extra, *(observers or [])], progress_lines=progress_lines)
 
 
 def debug_launcher(

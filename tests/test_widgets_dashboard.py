@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import struct
+import re
+import xml.dom.minidom
 
 import pytest
 
@@ -15,8 +16,9 @@ from notebook_launcher.launcher.events import (
     RankMetric,
     RankStarted,
 )
+from notebook_launcher.widgets import history
 from notebook_launcher.widgets.dashboard import DashboardWarning, WidgetDashboard
-from notebook_launcher.widgets.plot import render_png
+from notebook_launcher.widgets.plot import render_svg
 from notebook_launcher.widgets.record import Curve
 
 
@@ -37,9 +39,16 @@ def close_widgets():
     ipywidgets.Widget.close_all()
 
 
-def png_size(data: bytes) -> tuple[int, int]:
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    return struct.unpack(">II", data[16:24])
+def svg_width(svg: str) -> int:
+    xml.dom.minidom.parseString(svg)  # well-formed, whatever the names
+    return int(re.search(r'width="(\d+)"', svg).group(1))
+
+
+@pytest.fixture(autouse=True)
+def fresh_history():
+    history.forget()
+    yield
+    history.forget()
 
 
 @pytest.fixture
@@ -85,16 +94,21 @@ def test_the_final_state_is_drawn_at_once_and_stays(board):
     assert "nl-failed" in dashboard.rows.value and "ValueError: bad batch" in dashboard.rows.value
     assert "nl-stopped" in dashboard.rows.value
     assert "failed after 0.0 s" in dashboard.header.value
-    assert dashboard.plot.layout.display == "" and png_size(dashboard.plot.value)[0] > 100
     assert "about to fail" in dashboard.outputs[1].value
-    assert dashboard.accordion.titles == ("Output of rank 0 (0 lines)", "Output of rank 1 (1 line)")
+    assert dashboard.accordion.titles == ("Output of 2 ranks (1 line)",)
+    assert dashboard.tabs.titles == ("rank 0 (0)", "rank 1 (1)")
     assert dashboard.accordion.selected_index is None  # collapsed: raw output on demand
+    # The lasting record: the final table, the plot and the traceback, as plain HTML.
+    record = dashboard.final_html
+    assert "ValueError: bad batch" in record and "stopped" in record and "Traceback of rank 1" in record
+    assert svg_width(re.search(r"<svg.*</svg>", record, re.S).group(0)) > 100
 
 
 def test_the_plot_stays_hidden_until_a_rank_logs(board):
     dashboard, _ = board
     dashboard.on_event(LaunchFinished("ok", 1.0))
     assert dashboard.plot.layout.display == "none" and dashboard.plot_draws == 0
+    assert "<svg" not in dashboard.final_html
 
 
 def test_a_dashboard_failure_warns_once_and_never_ends_the_launch(board, monkeypatch):
@@ -103,11 +117,17 @@ def test_a_dashboard_failure_warns_once_and_never_ends_the_launch(board, monkeyp
     def broken(*_):
         raise RuntimeError("frontend gone")
 
-    monkeypatch.setattr("notebook_launcher.widgets.dashboard.render_png", broken)
+    monkeypatch.setattr("notebook_launcher.widgets.dashboard.render_svg", broken)
     clock.now += 5
+    dashboard.on_event(RankMetric(0, {"loss": 0.5}, 0))
     with pytest.warns(DashboardWarning, match="The launch dashboard stopped updating because of RuntimeError: frontend gone"):
-        dashboard.on_event(RankMetric(0, {"loss": 0.5}, 0))
-    dashboard.on_event(LaunchFinished("ok", 5.0))  # ignored quietly
+        dashboard.on_event(OutputLine(0, "stdout", "still training", False))
+    dashboard.on_event(RankFinished(0, 0, None))
+    dashboard.on_event(RankFinished(1, 0, None))
+    dashboard.on_event(LaunchFinished("ok", 5.0))
+    # The record still reaches its final state, and says why the plot is missing.
+    assert dashboard.final_html.count("nl-done") == 2 and "finished after 5.0 s" in dashboard.final_html
+    assert "The plot could not be drawn: RuntimeError: frontend gone" in dashboard.final_html
 
 
 def test_what_the_throttle_held_back_is_drawn_while_ranks_are_silent(capsys):
@@ -131,6 +151,6 @@ def test_what_the_throttle_held_back_is_drawn_while_ranks_are_silent(capsys):
 
 
 def test_the_plot_has_one_panel_per_metric_and_grows_with_them():
-    one = render_png({("loss", 0): Curve([0, 1], [1.0, 0.5]), ("loss", 1): Curve([0, 1], [1.1, 0.4])})
-    three = render_png({(name, 0): Curve([0, 1], [1.0, 0.5]) for name in ("loss", "lr", "accuracy")})
-    assert png_size(three)[0] > 2 * png_size(one)[0]
+    one = render_svg({("loss", 0): Curve([0, 1], [1.0, 0.5], 2), ("loss", 1): Curve([0, 1], [1.1, 0.4], 2)})
+    three = render_svg({(name, 0): Curve([0, 1], [1.0, 0.5], 2) for name in ("loss", "lr", "accuracy")})
+    assert svg_width(three.svg) > 2 * svg_width(one.svg)

@@ -124,13 +124,14 @@ def test_a_launch_sends_dashboard_updates_ending_in_every_rank_done_and_a_plot(k
     final_rows = updates(cell, rows)[-1]["content"]["data"]["state"]["value"]
     assert final_rows.count("nl-rank nl-done") == 2
     assert "25/25" in final_rows and "rank 1 finished" in final_rows
-    plot = model_with(models, "ImageModel")
-    drawn = [m for m in updates(cell, plot) if m["content"]["data"]["buffer_paths"] == [["value"]]]
-    assert drawn and drawn[-1]["buffers"][0][:8] == b"\x89PNG\r\n\x1a\n"
     assert len(updates(cell, rows)) < 60  # throttled: not one message per event
-    # The text form, for frontends that draw no widgets, ends with the final states too.
-    final_text = [m for m in cell.messages if m["msg_type"] == "update_display_data"][-1]
-    text = final_text["content"]["data"]["text/plain"]
+    # At the end the widgets give way to the lasting record: HTML with the plot as SVG,
+    # and its text form for frontends that draw no widgets.
+    final = [m for m in cell.messages if m["msg_type"] == "update_display_data"][-1]["content"]["data"]
+    assert WIDGET_VIEW not in final and "<svg" in final["text/html"] and "rank 1, loss" in final["text/html"]
+    closed = {m["content"]["comm_id"] for m in cell.messages if m["msg_type"] == "comm_close"}
+    assert rows in closed
+    text = final["text/plain"]
     assert "finished after" in text
     assert [line.split()[:2] for line in text.splitlines()[2:]] == [["0", "done"], ["1", "done"]]
     assert "[rank1]: rank 1 finished" in cell.stdout  # the lines still reach the cell

@@ -108,7 +108,9 @@ def test_metrics_become_one_curve_per_rank_and_metric_bounded_in_size():
     assert set(record.curves) == {("loss", 0), ("lr", 0), ("loss", 1)}
     curve = record.curves[("loss", 0)]
     assert len(curve.values) <= POINTS_KEPT
-    assert curve.steps[0] == 0 and curve.steps[-1] == 3 * POINTS_KEPT - 1  # the whole range
+    steps, _ = curve.points()
+    assert steps[0] == 0 and steps[-1] == 3 * POINTS_KEPT - 1  # the whole range
+    assert curve.calls == 3 * POINTS_KEPT
     assert curve.steps == sorted(curve.steps)
     assert record.curves[("loss", 1)].steps == [0.0]  # no step given: the call's index
 

@@ -38,6 +38,7 @@ export class DefaultsWidget extends Widget {
     });
     for (const select of [this._processes, this._precision, this._method]) {
       select.addEventListener('change', () => {
+        this._edited = true;
         setStatus(this._status, 'Not saved yet.');
       });
     }
@@ -98,8 +99,29 @@ export class DefaultsWidget extends Widget {
     }
   }
 
+  /**
+   * Follow the saved file when something else changed it (configure(..., save=True) in a
+   * notebook, another browser tab); a choice the user is still editing is left alone.
+   */
+  followSaved(reply: IDefaultsReply): void {
+    if (JSON.stringify(reply.defaults) === JSON.stringify(this._saved)) {
+      return;
+    }
+    if (this._edited) {
+      setStatus(
+        this._status,
+        'The saved defaults changed elsewhere; save to keep the choice shown here.',
+        'warning'
+      );
+      return;
+    }
+    this.showSaved(reply);
+    setStatus(this._status, 'Updated: the saved defaults changed.');
+  }
+
   /** Show what is saved now. */
   showSaved(reply: IDefaultsReply): void {
+    this._edited = false;
     this._saved = reply.defaults;
     this._select(reply.defaults);
     this._description.textContent = reply.description;
@@ -195,6 +217,7 @@ export class DefaultsWidget extends Widget {
   }
 
   private _saved: ILaunchDefaults | null = null;
+  private _edited = false;
   private _processes = h('select', { className: 'jp-mod-styled' });
   private _processesNote = h('span', { className: 'jp-NotebookLauncher-note' });
   private _precision = h('select', { className: 'jp-mod-styled' });

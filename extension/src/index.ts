@@ -18,16 +18,17 @@ const plugin: JupyterFrontEndPlugin<void> = {
   description:
     'A "Distributed" sidebar: hardware, launch defaults and running launches of notebook_launcher.',
   autoStart: true,
-  requires: [ILabShell],
-  optional: [ILayoutRestorer, ICommandPalette],
+  // Optional: Notebook 7 has no lab shell; its own shell also has a left area.
+  optional: [ILabShell, ILayoutRestorer, ICommandPalette],
   activate: (
     app: JupyterFrontEnd,
-    labShell: ILabShell,
+    labShell: ILabShell | null,
     restorer: ILayoutRestorer | null,
     palette: ICommandPalette | null
   ): void => {
     const sidebar = new DistributedSidebar(distributedIcon);
-    labShell.add(sidebar, 'left', { rank: 700 });
+    sidebar.title.label = labShell ? '' : 'Distributed';
+    app.shell.add(sidebar, 'left', { rank: 700 });
     restorer?.add(sidebar, sidebar.id);
 
     app.commands.addCommand(CommandIDs.open, {
@@ -35,7 +36,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
       caption:
         'Hardware, launch defaults and running launches of notebook_launcher',
       execute: () => {
-        labShell.activateById(sidebar.id);
+        app.shell.activateById(sidebar.id);
       }
     });
     palette?.addItem({ command: CommandIDs.open, category: 'Distributed' });

@@ -87,6 +87,14 @@ export class DistributedSidebar extends Panel {
       this._launches.showError(errorMessage(error));
       throw error; // the poll then backs off
     }
+    if (this._loaded) {
+      // The defaults file may have been written by configure(..., save=True) meanwhile.
+      try {
+        this._defaults.followSaved(await getDefaults());
+      } catch {
+        // shown at the next full refresh; the launches above are still current
+      }
+    }
   }
 
   private _loaded = false;

@@ -30,12 +30,15 @@ class PreparedLaunch:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
 
-    def run(self, observers: Sequence[LaunchObserver] = ()) -> Any:
+    def run(self, observers: Sequence[LaunchObserver] = (), *, progress_lines: bool = True) -> Any:
         """Rank 0's return value, or every rank's in a list with ``return_all``.
 
-        The ranks' lines go to the text printer, then every event to ``observers``.
+        The ranks' lines go to the text printer, then every event to ``observers``;
+        ``progress_lines=False`` (an observer shows progress) prints only bars' final states.
         """
-        printer = TextPrinter(self.plan.output, self.plan.prefix_template)
+        printer = TextPrinter(
+            self.plan.output, self.plan.prefix_template, progress_lines=progress_lines
+        )
         values = execute(self.plan, self.function, self.args, self.kwargs, [printer, *observers])
         return values if self.plan.return_all else values[0]
 

@@ -23,11 +23,15 @@ class TextPrinter:
     """Prints whole lines only, so lines of different ranks never merge.
 
     Progress bars redrawn with ``\\r`` are shown at most once a second per rank, then
-    once more in their final state, instead of as hundreds of lines.
+    once more in their final state, instead of as hundreds of lines; with
+    ``progress_lines=False`` (another observer shows progress) only the final state.
     """
 
-    def __init__(self, output: str = "all", prefix_template: str | None = None) -> None:
+    def __init__(
+        self, output: str = "all", prefix_template: str | None = None, *, progress_lines: bool = True
+    ) -> None:
         self._output = output
+        self._progress_lines = progress_lines
         self._template = string.Template(prefix_template or DEFAULT_PREFIX)
         self._prefixes: dict[int, str] = {}
         self._last_progress: dict[tuple[int, str], float] = {}
@@ -49,6 +53,8 @@ class TextPrinter:
             return
         key = (line.rank, line.stream)
         if line.is_progress:
+            if not self._progress_lines:
+                return
             now = time.monotonic()
             last = self._last_progress.get(key)
             if last is not None and now - last < _PROGRESS_INTERVAL_S:

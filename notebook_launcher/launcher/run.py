@@ -67,6 +67,15 @@ def execute(
     backend.check(plan)
     payload = backend.prepare_payload(plan, (function, args, kwargs))  # refuses what cannot travel
     emit = Emitter(observers)
+    try:
+        return _execute(plan, backend, payload, emit)
+    except KeyboardInterrupt:
+        # Every rank has been ended by now; the traceback ends here, not in the selector
+        # the interrupt happened to land in.
+        raise KeyboardInterrupt("the launch was stopped; every rank has been ended") from None
+
+
+def _execute(plan: LaunchPlan, backend: Any, payload: Any, emit: Emitter) -> list[Any]:
     launch_id = uuid.uuid4().hex[:12]
     started = time.monotonic()
     deadline = started + plan.timeout if plan.timeout is not None else None

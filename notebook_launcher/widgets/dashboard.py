@@ -1,28 +1,42 @@
 """The live launch dashboard in the cell, built from ipywidgets' own widgets.
 
 It is a launch observer: the launcher calls ``on_event`` from the cell's thread, which
-updates the widgets. Every event updates the record (cheap); widgets are redrawn at most a
-few times a second, the plot at most once a second (less when drawing takes long), so a
-rank that logs or prints thousands of times a second cannot flood the frontend or slow
-the launch. Events only come when ranks do something, so a small ticker thread, alive
-only while the launch runs and serialised with the cell's thread by one lock, draws what
-the throttle held back (the last line before a long silence) and moves the elapsed times
-on. After the launch the dashboard stays in the cell as a record of final states, times
-and errors.
+updates the widgets. Metric events only join a queue there (a rank may log hundreds of
+thousands of times); every other event updates the record. Widgets are redrawn at most a
+few times a second, the plot (an SVG string drawn by ``plot``) at most once a second, so
+a rank that logs or prints thousands of times a second cannot flood the frontend or slow
+the launch. A small ticker thread, alive only while the launch runs and serialised with
+the cell's thread by one lock, takes in the queued metrics, draws what the throttle held
+back and moves the elapsed times on.
+
+When the launch ends, the widgets are replaced by the lasting record (``static``): plain
+HTML and an inline SVG that a saved notebook, nbconvert and GitHub's viewer show without
+a kernel or widget state. Drawing can fail (a frontend gone, a bug): the record is then
+written without the plot, and the table always reaches its final state.
 """
 
 from __future__ import annotations
 
+import collections
 import html
 import threading
 import time
 import warnings
 from typing import Any, Callable
 
-from notebook_launcher.launcher.events import LaunchEvent, LaunchFinished, LaunchStarted
+from notebook_launcher.launcher.events import (
+    LaunchEvent,
+    LaunchFinished,
+    LaunchStarted,
+    RankFinished,
+    RankMetric,
+    RankStarted,
+)
+from notebook_launcher.widgets import history
 from notebook_launcher.widgets import html as views
-from notebook_launcher.widgets.plot import describe, load_matplotlib, render_png, shown_width
+from notebook_launcher.widgets.plot import Drawn, render_svg
 from notebook_launcher.widgets.record import LaunchRecord
+from notebook_launcher.widgets.static import record_html
 from notebook_launcher.widgets.text import summary
 
 ROWS_INTERVAL_S = 0.25
@@ -32,7 +46,8 @@ PLOT_INTERVAL_S = 1.0
 # slow machine spends at most a fifth of the cell's thread on it.
 PLOT_COST_FACTOR = 5.0
 OUTPUT_LINES_SHOWN = 400
-TICK_S = 0.5  # how stale the dashboard may get while no event arrives
+TICK_S = 0.25  # how stale the dashboard may get while no event arrives
+METRICS_BATCH = 256  # metric events queued before the cell's thread takes them in
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
 
 
@@ -41,11 +56,16 @@ class DashboardWarning(RuntimeWarning):
 
 
 class WidgetDashboard:
-    def __init__(self, clock: Callable[[], float] = time.monotonic, tick_s: float | None = TICK_S) -> None:
+    shows_progress = True  # the launcher's printer then leaves out the bars' redraws
+
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, tick_s: float | None = TICK_S
+    ) -> None:
         import ipywidgets  # imported here: the launcher must import without it
 
         self._widgets: Any = ipywidgets
         self.record = LaunchRecord(clock)
+        self.previous: LaunchRecord | None = None
         self.box: Any = None
         self._handle: Any = None
         self._broken = False
@@ -54,28 +74,53 @@ class WidgetDashboard:
         self._tick_s = tick_s
         self._stopping = threading.Event()
         self._ticker: threading.Thread | None = None
+        self._metrics: collections.deque[RankMetric] = collections.deque()
         self._shown = {"rows": -1, "output": -1, "curves": 0}
         self._last = {"rows": 0.0, "output": 0.0, "plot": 0.0}
         self._plot_cost = 0.0
         self.plot_draws = 0
+        self.final_html: str | None = None
+        self.ticker_cpu_s = 0.0  # what the ticker thread spent, for benchmarks
 
     def on_event(self, event: LaunchEvent) -> None:
+        if event.__class__ is RankMetric:  # the hot path: queued, taken in by the batch
+            pending = self._metrics
+            pending.append(event)
+            # Taken in here once a batch is queued (unless the ticker is drawing): events
+            # kept alive longer would be promoted by the garbage collector and cost more.
+            if len(pending) >= METRICS_BATCH and self._lock.acquire(blocking=False):
+                try:
+                    self._take_metrics()
+                except Exception as error:  # never the launch's problem
+                    self._broken, self._error = True, error
+                finally:
+                    self._lock.release()
+            return
         finished = isinstance(event, LaunchFinished)
-        if not self._broken:
+        if not finished:
             with self._lock:
                 try:
-                    self.record.apply(event)
-                    if isinstance(event, LaunchStarted):
+                    self._take_metrics()
+                    self.record.apply(event)  # even once drawing broke: the record ends right
+                    if self._broken:
+                        pass
+                    elif isinstance(event, LaunchStarted):
+                        self.previous = history.previous()
                         self._build()
                         self._start_ticker()
                     elif self.box is not None:
-                        self._refresh(force=finished)
-                        if finished:
-                            self._show_final_text()
+                        # A rank that starts or ends is shown at once; the rest is throttled.
+                        self._refresh(rows_now=isinstance(event, (RankStarted, RankFinished)))
                 except Exception as error:  # a display problem must never end a training run
                     self._broken, self._error = True, error
         if finished:
             self._stop_ticker()
+            with self._lock:
+                self._take_metrics()
+                self.record.apply(event)  # the record ends even where drawing broke
+                history.keep(self.record)
+                if self.box is not None:
+                    self._finish()
         if self._error is not None:
             problem, self._error = self._error, None
             warnings.warn(
@@ -84,6 +129,13 @@ class WidgetDashboard:
                 DashboardWarning,
                 stacklevel=2,
             )
+
+    def _take_metrics(self) -> None:
+        pending = self._metrics
+        if pending:
+            # Taken out in one go: what arrives meanwhile waits for the next call.
+            taken = [pending.popleft() for _ in range(len(pending))]
+            self.record.apply_metrics(taken)
 
     # ---- the ticker ---------------------------------------------------------------------
     def _start_ticker(self) -> None:
@@ -95,12 +147,20 @@ class WidgetDashboard:
         self._ticker.start()
 
     def _tick(self, interval: float) -> None:
+        try:
+            self._tick_loop(interval)
+        finally:
+            self.ticker_cpu_s = time.thread_time()
+
+    def _tick_loop(self, interval: float) -> None:
         while not self._stopping.wait(interval):
             with self._lock:
-                if self._broken or self.record.finished:
+                if self.record.finished:
                     return
                 try:
-                    self._refresh(force=False)
+                    self._take_metrics()
+                    if not self._broken:
+                        self._refresh()
                 except Exception as error:  # reported by the cell's thread at its next event
                     self._broken, self._error = True, error
                     return
@@ -116,78 +176,117 @@ class WidgetDashboard:
         w = self._widgets
         now = self.record.now()
         self._last["plot"] = now  # the first picture a second in: a short launch draws once
-        self.header = w.HTML(views.header_html(self.record, now))
-        self.rows = w.HTML(views.rows_html(self.record, now))
-        self.plot = w.Image(format="png", layout=w.Layout(display="none", max_width="100%"))
-        self.caption = w.HTML(layout=w.Layout(display="none"))
-        self.outputs = [w.HTML(views.output_html(self.record.rows[r], 0)) for r in sorted(self.record.rows)]
-        self.accordion = w.Accordion(children=self.outputs, selected_index=None)
+        # Few widgets, sharing one layout and one style: each widget, layout and style is a
+        # model the kernel opens and sends, and that is most of what showing costs.
+        from ipywidgets.widgets.widget_string import HTMLStyle
+
+        layout, style = w.Layout(), HTMLStyle()
+        self.rows = self.header = w.HTML(self._table_html(now), layout=layout, style=style)
+        self.plot = w.HTML(
+            layout=w.Layout(display="none", max_width="100%", overflow="auto"), style=style
+        )
+        self.outputs = [
+            w.HTML(views.output_html(self.record.rows[r], 0), layout=layout, style=style)
+            for r in sorted(self.record.rows)
+        ]
+        # One tab per rank inside one collapsed section: 16 ranks take one row, not 16.
+        self.tabs = w.Tab(children=self.outputs, layout=layout)
+        self.accordion = w.Accordion(children=[self.tabs], selected_index=None, layout=layout)
         self._title_outputs()
         self.box = w.VBox(
-            [self.header, self.rows, self.plot, self.caption, self.accordion],
+            [self.rows, self.plot, self.accordion],
             layout=w.Layout(
                 border="1px solid rgba(128, 128, 128, 0.35)", padding="6px 10px", margin="2px 0"
             ),
         )
         self.box.add_class("notebook-launcher-dashboard")
+        self._models = [self.box, self.accordion, self.tabs, self.rows, self.plot, *self.outputs,
+                        layout, style, self.plot.layout, self.box.layout]  # fmt: skip
         from IPython.display import display
 
         self._handle = display(self._bundle(), raw=True, display_id=True)
 
+    def _table_html(self, now: float) -> str:
+        return views.header_html(self.record, now) + views.rows_html(self.record, now)
+
     def _bundle(self) -> dict[str, Any]:
         # The text form travels with the widget: frontends that draw no widgets show it.
         return {
-            WIDGET_VIEW_MIME: {"version_major": 2, "version_minor": 0, "model_id": self.box.model_id},
+            WIDGET_VIEW_MIME: {
+                "version_major": 2,
+                "version_minor": 0,
+                "model_id": self.box.model_id,
+            },
             "text/plain": summary(self.record, self.record.now()),
         }
 
-    def _show_final_text(self) -> None:
+    def _finish(self) -> None:
+        """Replace the widgets by the lasting record, then let their models go."""
+        drawn: Drawn | None = None
+        problem: str | None = None
+        if not self._broken:
+            try:
+                self._refresh(rows_now=True, final=True)
+            except Exception as error:
+                self._broken, self._error = True, error
+        try:
+            drawn = render_svg(self.record.shown_curves(), self._previous_curves())
+        except Exception as error:  # the table still reaches its final state
+            problem = f"{type(error).__name__}: {error}"
+        self.final_html = record_html(self.record, drawn, problem)
+        bundle = {
+            "text/html": self.final_html,
+            "text/plain": summary(self.record, self.record.now()),
+        }
         if self._handle is not None:
-            self._handle.update(self._bundle(), raw=True)
+            self._handle.update(bundle, raw=True)
+        for widget in self._models:
+            try:
+                widget.close()
+            except Exception:
+                continue
+
+    def _previous_curves(self) -> dict[tuple[str, int], Any] | None:
+        return self.previous.shown_curves() if self.previous is not None else None
 
     # ---- throttled redraws --------------------------------------------------------------
-    def _refresh(self, force: bool) -> None:
+    def _refresh(self, rows_now: bool = False, final: bool = False) -> None:
         now = self.record.now()
         record = self.record
-        wait = max(PLOT_INTERVAL_S, PLOT_COST_FACTOR * self._plot_cost)
-        # The plot first: once the rows say the launch ended, the final picture is sent.
-        if record.curves_version != self._shown["curves"] and (force or now - self._last["plot"] >= wait):
-            self._draw_plot()
-        if force or now - self._last["rows"] >= ROWS_INTERVAL_S:
+        if rows_now or now - self._last["rows"] >= ROWS_INTERVAL_S:
             self._last["rows"] = now
             # Redrawn even without news while ranks run: their elapsed times move on.
-            self.header.value = views.header_html(record, now)
-            self.rows.value = views.rows_html(record, now)
+            self.rows.value = self._table_html(now)
         if record.output_version != self._shown["output"] and (
-            force or now - self._last["output"] >= OUTPUT_INTERVAL_S
+            final or now - self._last["output"] >= OUTPUT_INTERVAL_S
         ):
             self._last["output"], self._shown["output"] = now, record.output_version
             for rank, widget in zip(sorted(record.rows), self.outputs):
                 widget.value = views.output_html(record.rows[rank], OUTPUT_LINES_SHOWN)
             self._title_outputs()
+        wait = max(PLOT_INTERVAL_S, PLOT_COST_FACTOR * self._plot_cost)
+        if (
+            not final
+            and record.curves_version != self._shown["curves"]
+            and now - self._last["plot"] >= wait
+        ):
+            self._draw_plot()
 
     def _draw_plot(self) -> None:
-        load_matplotlib()  # a one-off cost, not counted as the drawing's
         started = time.perf_counter()
         self._shown["curves"] = self.record.curves_version
-        png = render_png(self.record.curves)
-        self.plot.value = png
-        self.plot.width = str(shown_width(png))
-        # In words under the picture (ipywidgets' Image cannot carry a tooltip: its
-        # frontend then fails to draw it again when the output is re-rendered).
-        self.caption.value = (
-            f'<div style="font-size: 11px; opacity: 0.65;">{html.escape(describe(self.record.curves))}</div>'
-        )
-        self.caption.layout.display = ""
+        drawn = render_svg(self.record.shown_curves(), self._previous_curves())
+        self.plot.value = f'{drawn.svg}<div style="font-size: 11px; opacity: 0.65;">{html.escape(drawn.caption)}</div>'
         self.plot.layout.display = ""
         self.plot_draws += 1
         self._plot_cost = time.perf_counter() - started
         self._last["plot"] = self.record.now()
 
     def _title_outputs(self) -> None:
-        titles = []
-        for rank in sorted(self.record.rows):
-            row = self.record.rows[rank]
-            count = f"{row.output_lines} line{'s' if row.output_lines != 1 else ''}"
-            titles.append(f"Output of rank {rank} ({count})")
-        self.accordion.titles = tuple(titles)
+        rows = [self.record.rows[rank] for rank in sorted(self.record.rows)]
+        total = sum(row.output_lines for row in rows)
+        self.tabs.titles = tuple(f"rank {row.rank} ({row.output_lines})" for row in rows)
+        ranks = len(self.record.rows)
+        self.accordion.titles = (
+            f"Output of {ranks} rank{'s' if ranks != 1 else ''} ({total} line{'s' if total != 1 else ''})",
+        )

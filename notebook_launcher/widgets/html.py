@@ -11,7 +11,7 @@ import html
 
 from notebook_launcher.widgets.plot import rank_colour
 from notebook_launcher.widgets.record import LaunchRecord, RankRow
-from notebook_launcher.widgets.text import format_seconds, headline, metrics_text, shorten
+from notebook_launcher.widgets.text import format_seconds, headline, shorten
 
 STATE_COLOURS = {
     "starting": "#7f7f7f",
@@ -19,14 +19,20 @@ STATE_COLOURS = {
     "done": "#2ca02c",
     "failed": "#d62728",
     "stopped": "#8c6d31",
+    "not started": "#7f7f7f",
 }
 OUTCOME_MARKS = {"ok": ("✔", "#2ca02c")}
 _FAILED_ROW = "background: rgba(214, 39, 40, 0.12);"
-_CELL = "padding: 3px 10px 3px 0; vertical-align: middle; white-space: nowrap;"
-_LINE_WIDTH = 120
-# The last line is cut to the width left in the cell, with an ellipsis (the full text is in
-# the rank's output below).
-_LAST_CELL = " max-width: 36em; overflow: hidden; text-overflow: ellipsis;"
+_CELL = "padding: 2px 8px 2px 0; vertical-align: top; text-align: left;"
+# Column widths of the fixed layout: the table never grows past its output area, and the
+# error (or last line) comes right after the state, wrapping instead of running off.
+_COLUMNS = (
+    ("rank", "3.4em"), ("state", "6.6em"), ("elapsed", "5.4em"), ("error / last line", "auto"),
+    ("progress", "19%"), ("metrics", "30%"), ("device", "4.2em"), ("pid", "4.2em"),
+)  # fmt: skip
+_DETAIL_CHARS = 300  # the error or last line, wrapped; the full text is in the rank's output
+_DESCRIPTION_CHARS = 24
+_METRICS_SHOWN = 6
 
 
 def header_html(record: LaunchRecord, now: float) -> str:
@@ -43,19 +49,25 @@ def header_html(record: LaunchRecord, now: float) -> str:
             f'<br><span style="opacity: 0.75;">start method {html.escape(record.start_method)} '
             f"because {html.escape(record.fallback_reason)}</span>"
         )
+    if record.notice:
+        parts.append(
+            f'<br><span style="opacity: 0.85;">{html.escape(shorten(record.notice, _DETAIL_CHARS))}</span>'
+        )
     parts.append("</div>")
     return "".join(parts)
 
 
 def rows_html(record: LaunchRecord, now: float) -> str:
+    cols = "".join(f'<col style="width: {width};">' for _, width in _COLUMNS)
     head = "".join(
-        f'<th style="{_CELL} text-align: left; font-weight: 600; opacity: 0.7;">{title}</th>'
-        for title in ("rank", "state", "device", "pid", "elapsed", "progress", "metrics", "last line")
+        f'<th style="{_CELL} font-weight: 600; opacity: 0.7; white-space: nowrap;">{title}</th>'
+        for title, _ in _COLUMNS
     )
     body = "".join(_row_html(record.rows[rank], now) for rank in sorted(record.rows))
     return (
-        '<table style="border-collapse: collapse; font-size: 12.5px; margin: 2px 0 6px 0;">'
-        f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        '<table style="border-collapse: collapse; font-size: 12.5px; margin: 2px 0 6px 0; '
+        'width: 100%; table-layout: fixed;">'
+        f"<colgroup>{cols}</colgroup><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
     )
 
 
@@ -63,35 +75,54 @@ def _row_html(row: RankRow, now: float) -> str:
     elapsed = row.elapsed(now)
     swatch = (
         f'<span style="display: inline-block; width: 10px; height: 10px; border-radius: 2px; '
-        f'margin-right: 6px; background: {rank_colour(row.rank)};"></span>'
+        f'margin-right: 5px; background: {rank_colour(row.rank)};"></span>'
     )
     state = (
         f'<span class="nl-state" style="background: {STATE_COLOURS.get(row.state, "#7f7f7f")}; '
-        f'color: white; border-radius: 9px; padding: 1px 9px; font-size: 11.5px;">{row.state}</span>'
+        f'color: white; border-radius: 9px; padding: 0 8px; font-size: 11.5px; white-space: nowrap;">'
+        f"{html.escape(row.state)}</span>"
     )
-    if row.error is not None:
-        detail = (
-            f'<span style="color: #d62728; font-weight: 600;">{html.escape(shorten(row.error, _LINE_WIDTH))}</span>'
-        )
-    else:
-        detail = html.escape(shorten(row.last_line, _LINE_WIDTH))
     cells = [
         f"{swatch}{row.rank}",
         state,
+        format_seconds(elapsed) if elapsed is not None else "-",
+        _detail_html(row),
+        _progress_html(row),
+        _metrics_html(row),
         html.escape(row.device or "-"),
         str(row.pid or "-"),
-        format_seconds(elapsed) if elapsed is not None else "-",
-        _progress_html(row),
-        html.escape(metrics_text(row)) if row.last_metrics else "-",
-        f'<span style="font-family: var(--jp-code-font-family, monospace);">{detail}</span>',
     ]
-    last = len(cells) - 1
     style = _FAILED_ROW if row.state == "failed" else ""
-    tds = "".join(
-        f'<td style="{_CELL}{_LAST_CELL if index == last else ""}">{cell}</td>'
-        for index, cell in enumerate(cells)
+    wrap = " overflow-wrap: anywhere; word-break: break-word;"
+    tds = "".join(f'<td style="{_CELL}{wrap}">{cell}</td>' for cell in cells)
+    return f'<tr class="nl-rank nl-{css_word(row.state)}" data-rank="{row.rank}" style="{style}">{tds}</tr>'
+
+
+def _detail_html(row: RankRow) -> str:
+    code = "font-family: var(--jp-code-font-family, monospace); font-size: 12px;"
+    if row.error is not None:
+        return (
+            f'<span class="nl-error" style="{code} color: #d62728; font-weight: 600;">'
+            f"{html.escape(shorten(row.error, _DETAIL_CHARS))}</span>"
+        )
+    return f'<span class="nl-last" style="{code}">{html.escape(shorten(row.last_line, _DETAIL_CHARS))}</span>'
+
+
+def _metrics_html(row: RankRow) -> str:
+    if not row.last_metrics:
+        return "-"
+    items = list(row.last_metrics.items())
+    shown = " ".join(
+        f'<span style="white-space: nowrap; font-size: 11.5px;">{html.escape(shorten(name, 24))}={value:.4g}</span>'
+        for name, value in items[:_METRICS_SHOWN]
     )
-    return f'<tr class="nl-rank nl-{row.state}" data-rank="{row.rank}" style="{style}">{tds}</tr>'
+    if len(items) > _METRICS_SHOWN:
+        shown += f' <span style="opacity: 0.6;">+{len(items) - _METRICS_SHOWN} more</span>'
+    return shown
+
+
+def css_word(state: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in state)
 
 
 def _progress_html(row: RankRow) -> str:
@@ -104,12 +135,17 @@ def _progress_html(row: RankRow) -> str:
         bar = ""
     else:
         bar = (
-            '<span style="display: inline-block; width: 120px; height: 8px; border-radius: 4px; '
-            'background: rgba(128, 128, 128, 0.25); vertical-align: middle; margin-right: 6px;">'
+            '<span style="display: inline-block; width: 80px; height: 8px; border-radius: 4px; '
+            'background: rgba(128, 128, 128, 0.25); vertical-align: middle; margin-right: 6px; max-width: 40%;">'
             f'<span style="display: block; width: {fraction * 100:.1f}%; height: 100%; '
             f'border-radius: 4px; background: {colour};"></span></span>'
         )
-    return f'{bar}<span class="nl-progress">{html.escape(progress.label())}</span>'
+    label = progress.label()
+    if progress.description and len(progress.description) > _DESCRIPTION_CHARS:
+        label = label.replace(
+            progress.description, shorten(progress.description, _DESCRIPTION_CHARS), 1
+        )
+    return f'{bar}<span class="nl-progress">{html.escape(label)}</span>'
 
 
 def output_html(row: RankRow, lines: int) -> str:

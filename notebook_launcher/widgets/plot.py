@@ -1,100 +1,268 @@
-"""The live plot: every rank's logged metrics drawn as a PNG picture.
+"""The plot of what ranks ``log``, drawn as an SVG string by this module (no matplotlib).
 
-A picture (matplotlib's Agg canvas, no pyplot and no GUI backend) renders in every
-frontend as a plain image, needs no front-end code and fetches nothing at render time.
-matplotlib is imported on the first draw, so launches that log nothing never pay for it.
+An inline SVG renders in every frontend (JupyterLab, Notebook 7, VS Code, Colab, Kaggle,
+nbconvert's HTML, GitHub's viewer) with no front-end code and no fetch, and its
+``<title>`` elements are the browser's own tooltips: hovering a point shows its step,
+rank and value. Drawing is string building over at most a few hundred points per curve,
+a few milliseconds even for 20 metrics, so the final picture costs the cell nothing
+noticeable. Every piece of user text (metric names) is escaped; non-finite values are
+marked, never silently dropped.
 """
 
 from __future__ import annotations
 
-import io
+import html
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 if TYPE_CHECKING:
     from notebook_launcher.widgets.record import Curve
 
-_PANEL_SIZE_IN = (4.2, 2.6)
-_MAX_COLUMNS = 3
-_POINTS_DRAWN = 1000  # per curve: about one per pixel column; more only costs drawing time
-_DPI = 100  # CSS pixels per inch as shown
-_SCALE = 2  # drawn at twice the size shown, so it stays sharp on high-density screens
-# One colour per rank, the same in every panel (matplotlib's default cycle, tab10).
+Curves = dict[tuple[str, int], "Curve"]
+
+PANEL_W, PANEL_H = 300, 168
+_LEFT, _RIGHT, _TOP, _BOTTOM = 52, 10, 24, 26
+MAX_COLUMNS = 3
+MAX_PANELS = 24  # past this many metrics the rest are named, not drawn
+POINTS_DRAWN = 240  # per curve: about one per two pixel columns
+HOVER_POINTS = 60  # per curve: points that carry a tooltip (each is an element)
+NONFINITE_DRAWN = 24  # per curve: crosses marking NaN/inf (the caption counts them all)
+_NAME_CHARS = 44
+# tab10, then ten more that stay apart from it; past 20 ranks, hues by the golden angle.
 _RANK_COLOURS = (
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
     "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
+    "#393b79", "#ad494a", "#8ca252", "#e7969c", "#843c39",
+    "#6b6ecf", "#d6616b", "#637939", "#7b4173", "#bd9e39",
 )  # fmt: skip
 
 
 def rank_colour(rank: int) -> str:
-    return _RANK_COLOURS[rank % len(_RANK_COLOURS)]
+    if rank < len(_RANK_COLOURS):
+        return _RANK_COLOURS[rank]
+    hue = (rank * 137.508) % 360
+    return f"hsl({hue:.0f}, 65%, {42 + (rank % 3) * 8}%)"
 
 
-def describe(curves: dict[tuple[str, int], Curve]) -> str:
-    """What the picture shows, in words (its tooltip, and what a screen reader reads)."""
-    parts = []
-    for metric in sorted({name for name, _ in curves}):
-        ranks = sorted(rank for name, rank in curves if name == metric)
-        shown = ", ".join(f"rank {rank} ({curves[(metric, rank)].calls} points)" for rank in ranks)
-        parts.append(f"{metric} by step: {shown}")
-    return "; ".join(parts)
+class Drawn(NamedTuple):
+    svg: str  # "" when nothing was logged
+    caption: str  # plain text: what the picture shows, points drawn of points logged
+    points: int  # finite points drawn on the lines
 
 
-def shown_width(png: bytes) -> int:
-    """The width in CSS pixels to show a picture made by :func:`render_png` at."""
-    return int.from_bytes(png[16:20], "big") // _SCALE
+def render_svg(curves: Curves, previous: Curves | None = None) -> Drawn:
+    """One panel per metric, one line per rank in it; x is the step (or the log call).
 
-
-def load_matplotlib() -> None:
-    """Import what drawing needs (about a second, once per kernel), apart from drawing."""
-    import matplotlib.backends.backend_agg
-    import matplotlib.figure  # noqa: F401
-
-
-def render_png(curves: dict[tuple[str, int], Curve]) -> bytes:
-    """One panel per metric, one line per rank in it; x is the step (or the log call)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
+    ``previous`` (the curves of the launch before, in this kernel) are drawn faded and
+    dashed under the same metric and rank.
+    """
     metrics = sorted({name for name, _ in curves})
-    columns = min(_MAX_COLUMNS, max(1, len(metrics)))
-    rows = math.ceil(len(metrics) / columns) if metrics else 1
-    width, height = _PANEL_SIZE_IN[0] * columns, _PANEL_SIZE_IN[1] * rows
-    figure = Figure(figsize=(width, height), dpi=_DPI)
-    FigureCanvasAgg(figure)
-    # Fixed margins (in inches) instead of a layout engine, which doubled the drawing time.
-    figure.subplots_adjust(
-        left=0.6 / width, right=1 - 0.15 / width, bottom=0.45 / height, top=1 - 0.3 / height,
-        wspace=0.35, hspace=0.5,
-    )  # fmt: skip
-    for index, metric in enumerate(metrics):
-        axes = figure.add_subplot(rows, columns, index + 1)
+    if not metrics:
+        return Drawn("", "", 0)
+    shown = metrics[:MAX_PANELS]
+    columns = min(MAX_COLUMNS, len(shown))
+    rows = math.ceil(len(shown) / columns)
+    width, height = PANEL_W * columns, PANEL_H * rows
+    parts: list[str] = []
+    drawn = logged = marked = 0
+    compared = False
+    for index, metric in enumerate(shown):
+        x0, y0 = (index % columns) * PANEL_W, (index // columns) * PANEL_H
         ranks = sorted(rank for name, rank in curves if name == metric)
-        for rank in ranks:
-            curve = curves[(metric, rank)]
-            stride = max(1, math.ceil(len(curve.values) / _POINTS_DRAWN))
-            steps, values = curve.steps[::stride], curve.values[::stride]
-            if stride > 1 and steps[-1] != curve.steps[-1]:  # always end at the latest point
-                steps, values = [*steps, curve.steps[-1]], [*values, curve.values[-1]]
-            marker = "o" if len(values) < 30 else None
-            axes.plot(
-                steps, values, label=f"rank {rank}", color=rank_colour(rank),
-                linewidth=1.4, marker=marker, markersize=3,
-            )  # fmt: skip
-        axes.set_title(metric, fontsize=10)
-        axes.set_xlabel("step", fontsize=8)
-        axes.tick_params(labelsize=8)
-        axes.grid(True, alpha=0.3)
-        if _positive_and_wide(curves, metric, ranks):
-            axes.set_yscale("log")  # a loss falling over decades stays readable
-        axes.legend(fontsize=8, loc="upper right", frameon=False)  # "best" searches: slow
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=_DPI * _SCALE)
-    return buffer.getvalue()
+        before = {
+            rank: previous[(metric, rank)]
+            for rank in ranks
+            if previous and (metric, rank) in previous
+        }
+        compared = compared or bool(before)
+        panel, counts = _panel(
+            metric, {rank: curves[(metric, rank)] for rank in ranks}, before, x0, y0
+        )
+        parts.append(panel)
+        drawn, logged, marked = drawn + counts[0], logged + counts[1], marked + counts[2]
+    logged += sum(curves[key].calls for key in curves if key[0] not in shown)
+    svg = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="nl-plot" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" style="max-width: 100%; height: auto;" font-family="sans-serif" font-size="10" '
+        f'role="img" aria-label="{_attr(_caption(drawn, logged, marked, metrics, shown, compared))}">'
+        + "".join(parts)
+        + "</svg>"
+    )
+    return Drawn(svg, _caption(drawn, logged, marked, metrics, shown, compared), drawn)
 
 
-def _positive_and_wide(curves: dict[tuple[str, int], Curve], metric: str, ranks: list[int]) -> bool:
-    values = [v for rank in ranks for v in curves[(metric, rank)].values if math.isfinite(v)]
-    if not values or min(values) <= 0:
-        return False
-    return max(values) / min(values) > 100
+def _caption(
+    drawn: int, logged: int, marked: int, metrics: list[str], shown: list[str], compared: bool
+) -> str:
+    text = f"{drawn:,} point{'s' if drawn != 1 else ''} drawn of {logged:,} logged"
+    if marked:
+        text += (
+            f"; {marked:,} NaN/inf value{'s' if marked != 1 else ''} logged, marked with a cross"
+        )
+    if len(shown) < len(metrics):
+        rest = ", ".join(_short(m) for m in metrics[len(shown) :][:10])
+        text += f"; {len(metrics) - len(shown)} more metrics not drawn ({rest}{', …' if len(metrics) - len(shown) > 10 else ''})"
+    if compared:
+        text += "; faded dashed lines: the previous launch in this kernel"
+    return text + ". Hover a point for its step, rank and value."
+
+
+def _panel(
+    metric: str, curves: dict[int, Curve], before: dict[int, Curve], x0: float, y0: float
+) -> tuple[str, tuple[int, int, int]]:
+    left, right = x0 + _LEFT, x0 + PANEL_W - _RIGHT
+    top, bottom = y0 + _TOP, y0 + PANEL_H - _BOTTOM
+    name = _short(metric)
+    out = [f'<text x="{x0 + _LEFT}" y="{y0 + 14}" font-size="11" font-weight="bold" fill="currentColor">'
+           f"<title>{_text(metric[:2000])}</title>{_text(name)}</text>"]  # fmt: skip
+    sampled = {rank: _sample(curve) for rank, curve in curves.items()}
+    old = {rank: _sample(curve) for rank, curve in before.items()}
+    finite = [v for pts in (*sampled.values(), *old.values()) for _, v in pts if math.isfinite(v)]
+    steps = [s for pts in (*sampled.values(), *old.values()) for s, _ in pts]
+    logged = sum(curve.calls for curve in curves.values())
+    nonfinite = sum(curve.nonfinite_calls for curve in curves.values())
+    out.append(
+        f'<rect x="{left}" y="{top}" width="{right - left}" height="{bottom - top}" fill="none" '
+        'stroke="currentColor" stroke-opacity="0.25"/>'
+    )
+    if not finite:
+        what = (
+            "all values are NaN"
+            if all(math.isnan(v) for pts in sampled.values() for _, v in pts)
+            else "no finite values"
+        )
+        out.append(
+            f'<text x="{(left + right) / 2}" y="{(top + bottom) / 2}" text-anchor="middle" fill="#d62728">'
+            f"{what} ({logged:,} logged)</text>"
+        )
+    lo_s, hi_s = (min(steps), max(steps)) if steps else (0.0, 1.0)
+    if hi_s == lo_s:
+        lo_s, hi_s = lo_s - 1, hi_s + 1
+    lo_v, hi_v = (min(finite), max(finite)) if finite else (0.0, 1.0)
+    log_scale = lo_v > 0 and hi_v / lo_v > 100
+    if log_scale:
+        lo_v, hi_v = math.log10(lo_v), math.log10(hi_v)
+    if hi_v == lo_v:
+        lo_v, hi_v = lo_v - (abs(lo_v) or 1) * 0.1, hi_v + (abs(hi_v) or 1) * 0.1
+    pad = (hi_v - lo_v) * 0.06
+    lo_v, hi_v = lo_v - pad, hi_v + pad
+
+    def sx(step: float) -> float:
+        return left + (step - lo_s) / (hi_s - lo_s) * (right - left)
+
+    def sy(value: float) -> float:
+        v = math.log10(value) if log_scale else value
+        return bottom - (v - lo_v) / (hi_v - lo_v) * (bottom - top)
+
+    if finite:
+        for fraction in (0.0, 0.5, 1.0):
+            v = lo_v + pad + fraction * (hi_v - lo_v - 2 * pad)
+            shown = 10**v if log_scale else v
+            y = bottom - (v - lo_v) / (hi_v - lo_v) * (bottom - top)
+            out.append(
+                f'<line x1="{left}" x2="{right}" y1="{y:.1f}" y2="{y:.1f}" stroke="currentColor" stroke-opacity="0.1"/>'
+                f'<text x="{left - 4}" y="{y + 3:.1f}" text-anchor="end" fill="currentColor" fill-opacity="0.7">{_tick(shown)}</text>'
+            )
+    for step, anchor in ((lo_s, "start"), (hi_s, "end")):
+        if steps:
+            out.append(
+                f'<text x="{sx(step):.1f}" y="{bottom + 13}" text-anchor="{anchor}" fill="currentColor" '
+                f'fill-opacity="0.7">{_tick(step)}</text>'
+            )
+    out.append(
+        f'<text x="{(left + right) / 2}" y="{bottom + 13}" text-anchor="middle" fill="currentColor" '
+        f'fill-opacity="0.5">step{" (log y)" if log_scale else ""}</text>'
+    )
+    for rank, points in old.items():
+        line = _polyline(points, sx, sy)
+        if line:
+            out.append(
+                f'<polyline points="{line}" fill="none" stroke="{rank_colour(rank)}" stroke-width="1.2" '
+                f'stroke-opacity="0.35" stroke-dasharray="4 3"><title>previous launch: rank {rank}, '
+                f"{_text(name)}</title></polyline>"
+            )
+    drawn = 0
+    label = _text(name)
+    for rank, points in sampled.items():
+        colour = rank_colour(rank)
+        finite_points = [(s, v) for s, v in points if math.isfinite(v)]
+        # Each point's place computed once, for the line and for its hover circle.
+        placed = [(sx(s), sy(v)) for s, v in finite_points]
+        if placed:
+            line = " ".join([f"{x:.1f},{y:.1f}" for x, y in placed])
+            out.append(
+                f'<polyline points="{line}" fill="none" stroke="{colour}" stroke-width="1.5">'
+                f"<title>rank {rank}, {label}</title></polyline>"
+            )
+        drawn += len(finite_points)
+        every = max(1, math.ceil(len(finite_points) / HOVER_POINTS))
+        picked = list(range(0, len(finite_points), every))
+        if finite_points and picked[-1] != len(finite_points) - 1:
+            picked.append(len(finite_points) - 1)
+        radius = 2.5 if len(points) < 40 else 2
+        circle = f'" r="{radius}" fill="{colour}" class="nl-point"><title>step '
+        tail = f", rank {rank}, {label} = "
+        out.extend([
+            f'<circle cx="{placed[i][0]:.1f}" cy="{placed[i][1]:.1f}{circle}{_tick(finite_points[i][0])}{tail}'
+            f"{finite_points[i][1]:.6g}</title></circle>"
+            for i in picked
+        ])  # fmt: skip
+        odd = [(s, v) for s, v in points if not math.isfinite(v)]
+        for s, v in odd[:: max(1, math.ceil(len(odd) / NONFINITE_DRAWN))]:
+            # NaN and -inf sit on the bottom edge, +inf on the top, as a red cross.
+            y = top + 4 if v > 0 else bottom - 4
+            x = sx(s)
+            out.append(
+                f'<g class="nl-nonfinite"><title>step {_tick(s)}, rank {rank}, {_text(name)} = {v}</title>'
+                f'<path d="M{x - 3:.1f},{y - 3:.1f}L{x + 3:.1f},{y + 3:.1f}M{x - 3:.1f},{y + 3:.1f}L{x + 3:.1f},{y - 3:.1f}" '
+                f'stroke="#d62728" stroke-width="1.6"/>'
+                f'<rect x="{x - 4:.1f}" y="{y - 4:.1f}" width="8" height="8" fill="{colour}" fill-opacity="0.01"/></g>'
+            )
+    if nonfinite and finite:
+        out.append(
+            f'<text x="{right}" y="{y0 + 14}" text-anchor="end" fill="#d62728">{nonfinite} NaN/inf</text>'
+        )
+    return "".join(out), (drawn, logged, nonfinite)
+
+
+def _sample(curve: Curve) -> list[tuple[float, float]]:
+    """At most POINTS_DRAWN points, always the last, and every non-finite one kept."""
+    steps, values = curve.points()
+    n = len(values)
+    every = max(1, math.ceil(n / POINTS_DRAWN))
+    picked = [(steps[i], values[i]) for i in range(0, n, every)]
+    if n and picked[-1][0] != steps[-1]:
+        picked.append((steps[-1], values[-1]))
+    if every > 1:
+        taken = {step for step, _ in picked}
+        odd = [(s, v) for s, v in curve.nonfinite if s not in taken]
+        if odd:
+            picked = sorted([*picked, *odd[:POINTS_DRAWN]], key=lambda point: point[0])
+    return picked
+
+
+def _polyline(
+    points: list[tuple[float, float]], sx: Callable[[float], float], sy: Callable[[float], float]
+) -> str:
+    # A NaN breaks no line: the line joins the finite points around it; the cross marks it.
+    return " ".join(f"{sx(s):.1f},{sy(v):.1f}" for s, v in points if math.isfinite(v))
+
+
+def _tick(value: float) -> str:
+    if value != value or math.isinf(value):
+        return str(value)
+    if float(value).is_integer() and abs(value) < 1e6:
+        return str(int(value))
+    return f"{value:.3g}"
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= _NAME_CHARS else name[: _NAME_CHARS - 1] + "…"
+
+
+def _text(text: str) -> str:
+    return html.escape(text, quote=False)
+
+
+def _attr(text: str) -> str:
+    return html.escape(text, quote=True)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import re
 import time
-from typing import Callable
+from collections.abc import Iterable
+from typing import Any, Callable
 
 from notebook_launcher.errors import RankFailure
 from notebook_launcher.launcher.events import (
@@ -26,12 +28,30 @@ from notebook_launcher.launcher.events import (
 )
 from notebook_launcher.widgets.progress_text import parse_progress_line
 
-RANK_STATES = ("starting", "running", "done", "failed", "stopped")
-FINAL_STATES = ("done", "failed", "stopped")
+RANK_STATES = ("starting", "running", "done", "failed", "stopped", "not started")
+FINAL_STATES = ("done", "failed", "stopped", "not started")
 OUTPUT_LINES_KEPT = 2000  # per rank; the cell's own output keeps everything
-# Past this many points per curve, every other point is dropped: memory and drawing time
+# Past this many points per curve, every other point is dropped (and from then on only
+# every second, fourth, ... call is kept): memory, drawing time and the cost of a log call
 # stay bounded however long a rank logs, and the curve keeps its shape.
 POINTS_KEPT = 4000
+NONFINITE_KEPT = 200  # NaN/inf points kept per curve besides the thinned ones, to mark them
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-_]")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def clean_text(text: str) -> str:
+    """What a rank wrote, fit to show: ANSI colour codes and control characters removed,
+    undecodable bytes (surrogates) replaced, so no frontend shows ``[31m`` and no message
+    to the frontend fails to encode."""
+    if "\x1b" in text:
+        text = _ANSI.sub("", text)
+    text = _CONTROL.sub("", text)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "replace").decode("utf-8")
+    return text
 
 
 @dataclasses.dataclass
@@ -57,15 +77,35 @@ class Progress:
 class Curve:
     steps: list[float] = dataclasses.field(default_factory=list)
     values: list[float] = dataclasses.field(default_factory=list)
-    calls: int = 0  # x of the next point logged without a step
+    calls: int = 0  # points logged (x of the next point logged without a step)
+    stride: int = 1  # every stride-th call is kept
+    nonfinite: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    nonfinite_calls: int = 0  # NaN/inf values logged, including those not kept
+    last: tuple[float, float] | None = None  # the latest point, when thinning passed it by
+
+    def points(self) -> tuple[list[float], list[float]]:
+        """Steps and values kept, ending at the latest point logged."""
+        if self.last is None:
+            return self.steps, self.values
+        return [*self.steps, self.last[0]], [*self.values, self.last[1]]
 
     def add(self, step: int | None, value: float) -> None:
-        self.steps.append(float(self.calls if step is None else step))
+        calls = self.calls
+        self.calls = calls + 1
+        if value - value != 0.0:  # NaN or inf, kept apart so that thinning never hides one
+            self.nonfinite_calls += 1
+            if len(self.nonfinite) < NONFINITE_KEPT:
+                self.nonfinite.append((float(calls if step is None else step), value))
+        elif calls % self.stride:
+            self.last = (float(calls if step is None else step), value)
+            return
+        self.last = None
+        self.steps.append(float(calls if step is None else step))
         self.values.append(value)
-        self.calls += 1
         if len(self.values) > POINTS_KEPT:
             del self.steps[1::2]
             del self.values[1::2]
+            self.stride *= 2
 
 
 @dataclasses.dataclass
@@ -107,6 +147,12 @@ class LaunchRecord:
         self.elapsed: float | None = None
         self.rows: dict[int, RankRow] = {}
         self.curves: dict[tuple[str, int], Curve] = {}  # (metric, rank)
+        self._names: dict[str, str] = {}  # metric name as logged -> as shown
+        self._by_raw: dict[tuple[str, int], Curve] = {}  # (metric as logged, rank)
+        self.failures: dict[int, RankFailure] = {}
+        self.notice: str | None = None  # the latest line of an event without a row of its own
+        self.wall_started_at = time.time()
+        self.ended_at: float | None = None
         # Bumped on every change of the kind, so that views redraw only what changed.
         self.rows_version = 0
         self.curves_version = 0
@@ -127,7 +173,9 @@ class LaunchRecord:
             self._on_metric(event)
         elif isinstance(event, RankProgress):
             row = self._row(event.rank)
-            row.progress = Progress(event.n, event.total, event.description, from_core=True)
+            row.progress = Progress(
+                event.n, event.total, clean_text(event.description), from_core=True
+            )
             self.progress_version += 1
             self._alive(row)
         elif isinstance(event, RankStarted):
@@ -144,14 +192,19 @@ class LaunchRecord:
             for rank in range(event.num_processes):
                 self._row(rank)
         elif isinstance(event, LaunchFinished):
-            self.outcome, self.elapsed = event.outcome, event.elapsed
+            self.outcome, self.elapsed, self.ended_at = event.outcome, event.elapsed, time.time()
             now = self.now()
             for row in self.rows.values():
                 if row.state not in FINAL_STATES:  # an interrupt ends the launch before its ranks
                     row.state, row.ended_at = "stopped", now
             self.rows_version += 1
         else:
-            return
+            # Events this record does not know (a restart, waiting for machines) are shown
+            # by the line they carry.
+            line = getattr(event, "line", None)
+            if not isinstance(line, str):
+                return
+            self.notice = clean_text(line)
         self.rows_version += 1
 
     def _row(self, rank: int) -> RankRow:
@@ -164,9 +217,10 @@ class LaunchRecord:
         if row.state == "starting":
             row.state = "running"
 
-    def _on_output(self, line: OutputLine) -> None:
-        row = self._row(line.rank)
+    def _on_output(self, event: OutputLine) -> None:
+        row = self._row(event.rank)
         self._alive(row)
+        line = dataclasses.replace(event, text=clean_text(event.text))
         parsed = parse_progress_line(line.text)
         if parsed is not None:
             if row.progress is None or not row.progress.from_core:
@@ -183,37 +237,116 @@ class LaunchRecord:
         self.output_version += 1
 
     def _on_metric(self, metric: RankMetric) -> None:
-        row = self._row(metric.rank)
-        self._alive(row)
-        for name, value in metric.values.items():
-            curve = self.curves.get((name, metric.rank))
-            if curve is None:
-                curve = self.curves[(name, metric.rank)] = Curve()
-            curve.add(metric.step, value)
-        row.last_metrics.update(metric.values)
-        self.curves_version += 1
+        self.apply_metrics((metric,))
+
+    def apply_metrics(self, metrics: Iterable[RankMetric]) -> None:
+        """Many metric events at once: the dashboard's fast path for ranks that log a lot."""
+        by_raw, names, rows = self._by_raw, self._names, self.rows
+        changed = False
+        for metric in metrics:
+            rank, step = metric.rank, metric.step
+            row = rows.get(rank) or self._row(rank)
+            if row.state == "starting":
+                row.state = "running"
+            last = row.last_metrics
+            for name, value in metric.values.items():
+                curve = by_raw.get((name, rank))
+                if curve is None:
+                    curve = by_raw[(name, rank)] = self._curve(name, rank)
+                if type(value) is not float:
+                    value = _as_float(value)
+                curve.add(step, value)
+                last[names[name]] = value
+            changed = True
+        if changed:
+            self.curves_version += 1
+
+    def _curve(self, name: str, rank: int) -> Curve:
+        shown = self._names.get(name)
+        if shown is None:
+            shown = self._names[name] = _metric_name(name)
+        curve = self.curves.get((shown, rank))
+        if curve is None:
+            curve = self.curves[(shown, rank)] = Curve()
+        return curve
 
     def _on_finished(self, event: RankFinished) -> None:
         row = self._row(event.rank)
         row.ended_at, row.exitcode = self.now(), event.exitcode
         row.state = rank_state(event)
         if event.failure is not None:
-            row.error = failure_line(event.failure)
+            row.error = clean_text(failure_line(event.failure))
+            self.failures[event.rank] = event.failure
+
+    def shown_curves(self) -> dict[tuple[str, int], Curve]:
+        """The curves by the names they are shown under (metric names cleaned)."""
+        return self.curves
 
 
 def rank_state(event: RankFinished) -> str:
-    """done, failed or stopped: the launcher's own word."""
-    return event.state if event.state in FINAL_STATES else "failed"
+    """done, failed, stopped (or another word the launcher uses): the launcher's own word."""
+    state = clean_text(event.state or "").strip()
+    if not state or state in ("starting", "running"):
+        return "failed"
+    return state[:40]
+
+
+def record_data(record: LaunchRecord) -> dict[str, Any]:
+    """A finished (or running) launch as plain data: what ``launches()`` returns."""
+    now = record.now()
+    metrics: dict[str, dict[int, dict[str, list[float]]]] = {}
+    for (name, rank), curve in sorted(record.shown_curves().items()):
+        steps, values = curve.points()
+        metrics.setdefault(name, {})[rank] = {
+            "steps": list(steps),
+            "values": list(values),
+            "logged": curve.calls,  # type: ignore[dict-item]
+        }
+    ranks = []
+    for rank in sorted(record.rows):
+        row = record.rows[rank]
+        failure = record.failures.get(rank)
+        ranks.append({
+            "rank": rank, "state": row.state, "device": row.device, "pid": row.pid,
+            "elapsed": row.elapsed(now), "exitcode": row.exitcode, "error": row.error,
+            "traceback": clean_text(failure.traceback) if failure is not None else None,
+            "progress": None if row.progress is None else {
+                "n": row.progress.n, "total": row.progress.total, "description": row.progress.description,
+            },
+            "last_metrics": dict(row.last_metrics), "last_line": row.last_line,
+        })  # fmt: skip
+    return {
+        "outcome": record.outcome, "elapsed": record.elapsed, "started_at": record.wall_started_at,
+        "ended_at": record.ended_at, "num_processes": record.num_processes,
+        "accelerator": record.accelerator, "mixed_precision": record.mixed_precision,
+        "start_method": record.start_method, "ranks": ranks, "metrics": metrics,
+    }  # fmt: skip
 
 
 def failure_line(failure: RankFailure) -> str:
     """The first line of what went wrong, e.g. ``ValueError: learning rate too large``."""
     if failure.exception_type:
-        text = f"{failure.exception_type}: {failure.message}" if failure.message else failure.exception_type
+        text = (
+            f"{failure.exception_type}: {failure.message}"
+            if failure.message
+            else failure.exception_type
+        )
     else:
         text = re.sub(r"^Rank \d+ (\(pid \d+\) )?", "", failure.summary())
     lines = text.strip().splitlines()
     return lines[0] if lines else text
+
+
+def _metric_name(name: Any) -> str:
+    text = clean_text(str(name)).strip() or "(unnamed)"
+    return text if len(text) <= 200 else text[:199] + "…"
+
+
+def _as_float(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        return math.nan
 
 
 def _number(value: float | None) -> str:

@@ -14,6 +14,7 @@ import sys
 from typing import TextIO
 
 from notebook_launcher.launcher.events import LaunchEvent, LaunchFinished, LaunchStarted
+from notebook_launcher.widgets import history
 from notebook_launcher.widgets.record import LaunchRecord, RankRow
 
 STATUS_INTERVAL_S = 10.0
@@ -50,8 +51,10 @@ def progress_text(row: RankRow) -> str:
     return f"{fraction:4.0%} {label}" if fraction is not None else label
 
 
-def metrics_text(row: RankRow) -> str:
-    return " ".join(f"{name}={value:.4g}" for name, value in row.last_metrics.items()) or "-"
+def metrics_text(row: RankRow, shown: int = 6) -> str:
+    items = list(row.last_metrics.items())
+    text = " ".join(f"{shorten(name, 24)}={value:.4g}" for name, value in items[:shown]) or "-"
+    return text + (f" (+{len(items) - shown} more)" if len(items) > shown else "")
 
 
 def detail_text(row: RankRow) -> str:
@@ -112,6 +115,7 @@ class TextDashboard:
         if isinstance(event, LaunchStarted):
             self._last_status = self.record.now()  # the first status comes one interval in
         elif isinstance(event, LaunchFinished):
+            history.keep(self.record)
             self._write(summary(self.record, self.record.now()))
         else:
             self._maybe_status()

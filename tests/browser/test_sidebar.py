@@ -376,3 +376,18 @@ def test_server_errors_are_shown_in_the_sidebar(page: object, lab: Lab) -> None:
         "already. The list of launches shows the ones running now."
     )
     _screenshot(page, "sidebar-5-error")
+
+
+def test_the_sidebar_follows_defaults_saved_by_configure_without_a_reload(page: object, lab: Lab) -> None:
+    from playwright.sync_api import expect
+
+    sidebar = _run_notebook_in_lab(
+        page, lab, "configure_save.ipynb",
+        "from notebook_launcher import configure\n"
+        "configure(num_processes=1, mixed_precision='fp16', start_method='spawn', save=True)\n",
+    )  # fmt: skip
+    expect(sidebar.get_by_label("Processes")).to_have_value("1", timeout=60_000)  # type: ignore[attr-defined]
+    expect(sidebar.get_by_label("Mixed precision")).to_have_value("fp16")  # type: ignore[attr-defined]
+    expect(sidebar.get_by_label("Start method")).to_have_value("spawn")  # type: ignore[attr-defined]
+    expect(sidebar.get_by_role("status")).to_have_text("Updated: the saved defaults changed.")  # type: ignore[attr-defined]
+    _screenshot(page, "sidebar-followed-configure")

@@ -39,6 +39,7 @@ CHROMIUM_ARGS = [
 ]
 PANEL = ".notebook-launcher-configure"
 DASHBOARD = ".notebook-launcher-dashboard"
+RECORD = ".nl-record"
 # Where each app opens a notebook, and its module to start it with.
 APPS = {"jupyterlab": ("jupyterlab", "lab/tree/{name}?reset&token={token}"),
         "notebook7": ("notebook", "notebooks/{name}?token={token}")}  # fmt: skip
@@ -185,33 +186,40 @@ def test_the_panel_renders_and_disables_an_impossible_choice_with_its_reason(pag
     _screenshot(panel, f"widgets-{app.name}-configure")
 
 
-def test_the_dashboard_rows_reach_done_and_the_loss_plot_is_drawn(page: object, app: App) -> None:
+def test_the_dashboard_ends_as_a_record_with_every_rank_done_and_the_loss_plot(page: object, app: App) -> None:
     from playwright.sync_api import expect
 
-    training = page.locator(DASHBOARD).first  # type: ignore[attr-defined]
-    expect(training).to_be_visible(timeout=120_000)
-    expect(training.locator("tr.nl-rank")).to_have_count(2)
-    expect(training.locator("tr.nl-done")).to_have_count(2, timeout=180_000)
-    expect(training).to_contain_text("finished after")
-    expect(training.locator(".nl-progress")).to_have_text(["training: 40/40", "training: 40/40"])
-    plot = training.locator("img")
-    expect(plot).to_be_visible()
+    record = page.locator(RECORD).first  # type: ignore[attr-defined]
+    expect(record).to_be_visible(timeout=180_000)
+    expect(record.locator("tr.nl-rank")).to_have_count(2)
+    expect(record.locator("tr.nl-done")).to_have_count(2)
+    expect(record).to_contain_text("finished after")
+    expect(record).to_contain_text("training: 40/40")
     # The final picture: every step of both ranks (01 logs 40 steps on each rank).
-    expect(training).to_contain_text("loss by step: rank 0 (40 points), rank 1 (40 points)")
-    plot.evaluate("img => img.decode()")  # the PNG is decoded, not a broken image
-    assert plot.evaluate("img => img.naturalWidth") > 600
-    _screenshot(training, f"widgets-{app.name}-dashboard")
-    # The raw output of a rank is one click away, in the collapsible area.
-    training.get_by_text("Output of rank 1").click()
-    expect(training).to_contain_text("rank 1 epoch 4: last batch loss")
-    _screenshot(training, f"widgets-{app.name}-dashboard-output")
+    expect(record).to_contain_text("80 points drawn of 80 logged")
+    hover = record.locator("svg circle.nl-point title")
+    assert hover.count() == 80
+    assert "step 39, rank 1, loss = " in hover.all_text_contents()[-1]
+    _screenshot(record, f"widgets-{app.name}-dashboard")
+    # The widgets gave way to the record: nothing is left to say "model not found".
+    assert page.get_by_text("Error displaying widget").count() == 0  # type: ignore[attr-defined]
+    # The raw output of each rank is in the cell's own lines.
+    expect(page.locator(".jp-OutputArea-output").filter(has_text="[rank1]: rank 1 epoch 4: last batch loss")).to_have_count(1)  # type: ignore[attr-defined]
 
 
-def test_a_failing_rank_stays_highlighted_with_its_error(page: object, app: App) -> None:
+def test_a_failing_rank_stays_highlighted_with_its_error_inside_the_output_area(page: object, app: App) -> None:
     from playwright.sync_api import expect
 
-    failed = page.locator(f"{DASHBOARD} tr.nl-failed")  # type: ignore[attr-defined]
+    failed = page.locator(f"{RECORD} tr.nl-failed")  # type: ignore[attr-defined]
     expect(failed).to_have_count(1, timeout=180_000)
     expect(failed).to_contain_text("ValueError: learning rate 10.0 is too large for rank 1")
-    expect(page.locator(f"{DASHBOARD} tr.nl-stopped")).to_have_count(1)  # type: ignore[attr-defined]
-    _screenshot(page.locator(DASHBOARD).last, f"widgets-{app.name}-failed")  # type: ignore[attr-defined]
+    expect(page.locator(f"{RECORD} tr.nl-stopped")).to_have_count(1)  # type: ignore[attr-defined]
+    error = failed.get_by_text("ValueError: learning rate 10.0 is too large for rank 1")
+    area = page.locator(".jp-OutputArea-output").filter(has=failed).first  # type: ignore[attr-defined]
+    inside(error.bounding_box(), area.bounding_box())
+    _screenshot(page.locator(RECORD).last, f"widgets-{app.name}-failed")  # type: ignore[attr-defined]
+
+
+def inside(box: dict | None, area: dict | None) -> None:
+    assert box is not None and area is not None
+    assert box["x"] >= area["x"] and box["x"] + box["width"] <= area["x"] + area["width"] + 1, (box, area)
