@@ -17,10 +17,7 @@ import numbers
 import os
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from notebook_launcher.session.session import Session
+from typing import Any, Protocol
 
 SMALL = 64  # tensors up to this many elements send every element
 GRID_ROWS = 16
@@ -240,8 +237,19 @@ def _grid(torch: Any, work: Any) -> tuple[tuple[tuple[float, ...], ...], str]:
     return tuple(tuple(row) for row in plane.tolist()), note
 
 
+class _Executes(Protocol):
+    """What :func:`collect` needs of a session (a Protocol: this module sits below it)."""
+
+    returned: dict[str, Any]
+    returned_rank: int | None
+
+    def execute(
+        self, code: str, ranks: Sequence[int] | None = None, *, filename: str | None = None
+    ) -> list[Any]: ...
+
+
 def collect(
-    session: Session, names: Sequence[str], ranks: Sequence[int] | None = None
+    session: _Executes, names: Sequence[str], ranks: Sequence[int] | None = None
 ) -> dict[str, list[ValueSummary]]:
     """Kernel side: every target rank's summary of each name, in rank order."""
     checked = check_names(names)
