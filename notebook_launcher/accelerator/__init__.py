@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 from notebook_launcher.accelerator.accelerator import Accelerator
-from notebook_launcher.accelerator.accelerator_state import AcceleratorState
+from notebook_launcher.accelerator.accelerator_state import AcceleratorState, PartialState
 from notebook_launcher.accelerator.checkpointing import ProjectConfiguration
 from notebook_launcher.accelerator.data import DataLoaderConfiguration
 from notebook_launcher.accelerator.gradient_state import GradientState
+from notebook_launcher.accelerator.operations import (
+    broadcast,
+    broadcast_object_list,
+    copy_tensor_to_devices,
+    gather,
+    gather_object,
+    pad_across_processes,
+    reduce,
+    send_to_device,
+)
 from notebook_launcher.accelerator.kwargs import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -21,6 +31,8 @@ from notebook_launcher.errors import (
     AcceleratorError,
     CheckpointError,
     CollectiveError,
+    CollectiveTypeError,
+    DistributedOperationException,
     MissingDependencyError,
     MixedPrecisionError,
     RankEnvironmentError,
@@ -36,8 +48,10 @@ __all__ = [
     "AutocastKwargs",
     "CheckpointError",
     "CollectiveError",
+    "CollectiveTypeError",
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
+    "DistributedOperationException",
     "DistributedType",
     "FullyShardedDataParallelPlugin",
     "GeneralTracker",
@@ -46,13 +60,22 @@ __all__ = [
     "GradientState",
     "MissingDependencyError",
     "MixedPrecisionError",
+    "PartialState",
     "ProjectConfiguration",
     "RankEnvironmentError",
     "ShardingError",
     "TensorBoardTracker",
     "TrackerError",
     "add_metric_sink",
+    "broadcast",
+    "broadcast_object_list",
+    "copy_tensor_to_devices",
+    "gather",
+    "gather_object",
+    "pad_across_processes",
+    "reduce",
     "remove_metric_sink",
+    "send_to_device",
     "set_seed",
     "tqdm",
 ]

@@ -466,7 +466,9 @@ class Accelerator(Coordination, Checkpointing):
         elif structured:
             data = operations.concatenate(operations.gather_object([input_data]))
         else:
-            data = operations.gather_object(input_data)
+            # One value per rank (a number, a string) is gathered as one entry per rank.
+            items = input_data if isinstance(input_data, (list, tuple)) else [input_data]
+            data = operations.gather_object(items)
         loader = self.gradient_state.active_loader
         if loader is None or not loader.end_of_dataloader:
             return data

@@ -112,7 +112,7 @@ class DataLoaderShard(DataLoader):
             self.dataset.set_epoch(epoch)
 
     def _inner_sampler(self) -> Any:
-        batch_sampler = self.batch_sampler
+        batch_sampler = self.batch_sampler if self.batch_sampler is not None else self.sampler
         while isinstance(batch_sampler, (ShardedBatchSampler, SkipBatches)):
             batch_sampler = batch_sampler.batch_sampler
         return getattr(batch_sampler, "sampler", None)
@@ -202,7 +202,7 @@ class DataLoaderShard(DataLoader):
         view = copy.copy(self)
         view._origin = self._owner()
         view._iterator = None  # never share a persistent-workers iterator with the original
-        if isinstance(self.shard, ShardedBatchSampler):
+        if isinstance(self.shard, ShardedBatchSampler) and self.batch_sampler is self.shard:
             # Skipped at the index level: the skipped samples are never loaded.
             view.__dict__["batch_sampler"] = SkipBatches(self.shard, num_batches)
         else:
@@ -288,10 +288,15 @@ def prepare_data_loader(
         return _prepare_iterable(loader, state, config, common)
 
     batch_sampler = loader.batch_sampler
+    # DataLoader(sampler=BatchSampler(...), batch_size=None): the data set fetches a whole
+    # batch of indices at once; the batch sampler is sharded and stays in the sampler slot.
+    batches_as_samples = batch_sampler is None and isinstance(loader.sampler, BatchSampler)
+    if batches_as_samples:
+        batch_sampler = loader.sampler
     if batch_sampler is None:
         raise ShardingError(
             "This DataLoader has batch_size=None (no batching), so it cannot be split into "
-            "per-rank batches; give it a batch_size."
+            "per-rank batches; give it a batch_size, or a BatchSampler as its sampler."
         )
     batch_size = getattr(batch_sampler, "batch_size", None)
     sampler = getattr(batch_sampler, "sampler", None)
@@ -333,6 +338,15 @@ def prepare_data_loader(
         total_batch_size = shard.round_size
     elif world_size > 1 and batch_size is not None:
         total_batch_size = batch_size * world_size  # the user's DistributedSampler already shards
+    if batches_as_samples:
+        return DataLoaderShard(
+            loader.dataset,
+            sampler=batch_sampler,
+            batch_size=None,
+            shard=shard,
+            total_batch_size=total_batch_size,
+            **common,
+        )
     return DataLoaderShard(
         loader.dataset,
         batch_sampler=batch_sampler,
