@@ -87,7 +87,7 @@ def test_gather_object_concatenates_tuples_as_accelerate_and_refuses_what_it_wou
         assert got["list"] == [0, 1]
         assert got["for_metrics"] == ["rank0", "rank1"]
         for name, kind in (("dict", "dict"), ("int", "int"), ("str", "str")):
-            assert f"gather_object takes a list or tuple of picklable objects on each rank" in got[name]
+            assert "gather_object takes a list or tuple of picklable objects on each rank" in got[name]
             assert f"value of type {kind}" in got[name]
             assert "gather_object([obj])" in got[name]
 

@@ -7,6 +7,13 @@ from notebook_launcher.accelerator.accelerator_state import AcceleratorState, Pa
 from notebook_launcher.accelerator.checkpointing import ProjectConfiguration
 from notebook_launcher.accelerator.data import DataLoaderConfiguration
 from notebook_launcher.accelerator.gradient_state import GradientState
+from notebook_launcher.accelerator.kwargs import (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+)
 from notebook_launcher.accelerator.operations import (
     broadcast,
     broadcast_object_list,
@@ -16,13 +23,6 @@ from notebook_launcher.accelerator.operations import (
     pad_across_processes,
     reduce,
     send_to_device,
-)
-from notebook_launcher.accelerator.kwargs import (
-    AutocastKwargs,
-    DistributedDataParallelKwargs,
-    FullyShardedDataParallelPlugin,
-    GradientAccumulationPlugin,
-    GradScalerKwargs,
 )
 from notebook_launcher.accelerator.state import DistributedType
 from notebook_launcher.accelerator.trackers import GeneralTracker, TensorBoardTracker

@@ -7,10 +7,9 @@ does not branch on the world size.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any, Callable
-
-import os
 
 import torch
 import torch.distributed as dist
