@@ -13,6 +13,7 @@ from notebook_launcher.accelerator.kwargs import (
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     GradScalerKwargs,
+    ProfileKwargs,
 )
 from notebook_launcher.accelerator.operations import (
     broadcast,
@@ -61,6 +62,7 @@ __all__ = [
     "MissingDependencyError",
     "MixedPrecisionError",
     "PartialState",
+    "ProfileKwargs",
     "ProjectConfiguration",
     "RankEnvironmentError",
     "ShardingError",

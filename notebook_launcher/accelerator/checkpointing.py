@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from notebook_launcher.accelerator import fsdp
+from notebook_launcher.accelerator import fsdp, saving
 from notebook_launcher.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -168,6 +168,8 @@ class Checkpointing:
             config.save_on_each_node and self.state.is_local_main_process
         )
         weights = self._full_weights()  # a collective under FSDP2: every rank takes part
+        hooks = getattr(self, "_save_state_pre_hooks", {})
+        weights = saving.run_save_hooks(hooks, self._models, weights, target)
         if writer:
             self._save_shared(target, weights, safe_serialization)
         rank = self.state.process_index
@@ -295,14 +297,15 @@ class Checkpointing:
                 "load_state() needs a folder: pass load_state(input_dir=...), or create the "
                 "Accelerator with ProjectConfiguration(automatic_checkpoint_naming=True)."
             )
-        self._load_shared(source)
+        hooks = getattr(self, "_load_state_pre_hooks", {})
+        self._load_shared(source, saving.run_load_hooks(hooks, self._models, source))
         self._load_rank_states(source)
         self._load_gradients(source)
 
-    def _load_shared(self, source: Path) -> None:
+    def _load_shared(self, source: Path, models: list[torch.nn.Module] | None = None) -> None:
         from notebook_launcher.accelerator.accelerator import unwrap
 
-        for i, model in enumerate(self._models):
+        for i, model in enumerate(self._models if models is None else models):
             module = unwrap(model)
             safe = source / _indexed("model", i, ".safetensors")
             if safe.exists() and not fsdp.is_fully_sharded(model):
