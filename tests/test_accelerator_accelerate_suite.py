@@ -53,7 +53,8 @@ def test_the_variant_differs_from_the_installed_script_only_in_those_imports(scr
     assert "from notebook_launcher.accelerator import" in rewritten
 
 
-@pytest.mark.parametrize("case", suite.cases())
+@pytest.mark.timeout(900)  # two variants, each up to run_one's timeout and a retry
+@pytest.mark.parametrize("case", suite.cases(), ids=suite.case_id)
 def test_each_case_accelerate_passes_passes_with_ours(
     variants: dict[tuple[str, str], Path], case: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

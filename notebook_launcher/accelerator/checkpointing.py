@@ -325,14 +325,12 @@ class Checkpointing:
                 optimizer.load_state_dict(state)
             else:
                 fsdp.load_full_optimizer_state_dict(owner, optimizer.optimizer, state)
-        loads: list[tuple[str, list[Any]]] = [
-            ("scheduler", self._schedulers),
-            ("sampler", self._dataloaders),
-        ]
-        for stem, objects in loads:
-            for i, obj in enumerate(objects):
-                path = source / _indexed(stem, i, ".bin")
-                obj.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+        for i, scheduler in enumerate(self._schedulers):
+            path = source / _indexed("scheduler", i, ".bin")
+            scheduler.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+        positions = saving.loader_states(source, len(self._dataloaders), self.state.process_index)
+        for loader, position in zip(self._dataloaders, positions):
+            loader.load_state_dict(position)
         if self.scaler is not None and (source / "scaler.pt").exists():
             self.scaler.load_state_dict(torch.load(source / "scaler.pt", weights_only=False))
         saved = sorted(source.glob("custom_checkpoint_*.pkl"))

@@ -12,6 +12,7 @@ import json
 import os
 import re
 from collections import OrderedDict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -234,3 +235,34 @@ def run_load_hooks(
     for hook in list(hooks.values()):
         hook(remaining, os.fspath(input_dir))
     return remaining
+
+
+def loader_states(source: Path, count: int, rank: int) -> list[dict[str, Any]]:
+    """The saved positions of ``count`` prepared loaders (``sampler.bin``, ``sampler_1.bin``, ...).
+
+    The main process writes them; every rank gets rank 0's copy, so ranks whose folders
+    are not shared (each its own temporary folder) resume at the same position as well.
+    """
+    from notebook_launcher.accelerator import operations
+
+    def read() -> list[dict[str, Any]]:
+        names = ["sampler.bin"] + [f"sampler_{i}.bin" for i in range(1, count)]
+        return [torch.load(source / n, map_location="cpu", weights_only=False) for n in names[:count]]
+
+    if count == 0:
+        return []
+    if not operations.is_distributed():
+        return read()
+    shared: list[Any] = [None]
+    if rank == 0:
+        try:
+            shared[0] = read()
+        except FileNotFoundError as e:
+            shared[0] = e
+    operations.broadcast_object_list(shared, from_process=0)
+    if isinstance(shared[0], BaseException):
+        raise CheckpointError(
+            f"load_state({os.fspath(source)!r}): rank 0 found no saved loader position there "
+            f"({shared[0]}); pass the folder save_state wrote."
+        ) from shared[0]
+    return list(shared[0])
