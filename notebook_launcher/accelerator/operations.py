@@ -302,17 +302,24 @@ def pad_across_processes(
 
 
 def _exchange_shapes(tensor: torch.Tensor) -> list[list[int]]:
-    """Every rank's shape of its tensor, in rank order (one fixed-size all-gather)."""
-    if tensor.ndim > _MAX_DIMS:
+    """Every rank's shape of its tensor, in rank order (one fixed-size all-gather).
+
+    Each rank sends its number of dimensions and up to _MAX_DIMS sizes, so every rank takes
+    part alike whatever it holds; only when all ranks hold more dimensions than that do they
+    exchange the full shapes in a second step.
+    """
+    row = torch.zeros(1, _MAX_DIMS + 1, dtype=torch.int64, device=tensor.device)
+    row[0, 0] = tensor.ndim
+    sent = min(tensor.ndim, _MAX_DIMS)
+    if sent:
+        row[0, 1 : sent + 1] = torch.tensor(tensor.shape[:sent], dtype=torch.int64)
+    rows = _gather_tensor(row).tolist()
+    ndims = [int(r[0]) for r in rows]
+    if all(n == ndims[0] for n in ndims) and ndims[0] > _MAX_DIMS:
         everyone: list[Any] = [None] * world_size()
         dist.all_gather_object(everyone, list(tensor.shape))
         return everyone
-    row = torch.zeros(1, _MAX_DIMS + 1, dtype=torch.int64, device=tensor.device)
-    row[0, 0] = tensor.ndim
-    if tensor.ndim:
-        row[0, 1 : tensor.ndim + 1] = torch.tensor(tensor.shape, dtype=torch.int64)
-    rows = _gather_tensor(row).tolist()
-    return [r[1 : int(r[0]) + 1] for r in rows]
+    return [r[1 : min(n, _MAX_DIMS) + 1] + [-1] * max(0, n - _MAX_DIMS) for r, n in zip(rows, ndims)]
 
 
 def _raise_shape_mismatch(operation: str, shapes: list[list[int]]) -> None:
