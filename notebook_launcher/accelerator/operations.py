@@ -32,7 +32,7 @@ def debug_mode() -> bool:
     """
     if _debug_override is not None:
         return _debug_override
-    return os.environ.get(DEBUG_MODE, "").strip().lower() in ("1", "true", "yes", "on", "y")
+    return os.environ.get(DEBUG_MODE, "").strip().lower() in ("1", "true", "t", "yes", "y", "on")
 
 
 def set_debug_mode(value: bool | None) -> None:
