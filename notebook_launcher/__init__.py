@@ -38,6 +38,7 @@ _TRAINING_CORE = {
     "FullyShardedDataParallelPlugin",
     "GradScalerKwargs",
     "GradientAccumulationPlugin",
+    "PartialState",
     "ProjectConfiguration",
     "set_seed",
 }
@@ -73,6 +74,7 @@ __all__ = [
     "LaunchError",
     "LaunchStoppedError",
     "LaunchTimeoutError",
+    "PartialState",
     "ProjectConfiguration",
     "RankFailedError",
     "Session",

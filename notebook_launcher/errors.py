@@ -235,6 +235,14 @@ class CollectiveError(AcceleratorError, ValueError):
     """A collective (gather, reduce) got what it cannot combine, e.g. shapes differing across ranks."""
 
 
+class CollectiveTypeError(CollectiveError, TypeError):
+    """A collective got a value it cannot combine across ranks (a Python number, a string)."""
+
+
+class DistributedOperationException(CollectiveError):
+    """Ranks passed tensors a collective cannot combine (accelerate's name; its debug mode)."""
+
+
 class CheckpointError(AcceleratorError, ValueError):
     """A training state cannot be saved or loaded as asked."""
 

@@ -6,8 +6,14 @@ The launcher writes it; the training core and any third-party code in the rank
 
 from __future__ import annotations
 
+import functools
+import importlib.abc
+import importlib.machinery
 import os
 import socket
+import sys
+from types import ModuleType
+from typing import Any
 
 # Set in every rank; its presence means "this process is a rank of a launch".
 LAUNCH_ID = "NOTEBOOK_LAUNCHER_LAUNCH_ID"
@@ -64,6 +70,65 @@ def rank_environment(
             rank_vars["GLOO_SOCKET_IFNAME"] = loopback
     env.update(rank_vars)
     return env
+
+
+_ACCELERATE_STATE = "accelerate.state"
+_TRUE = ("1", "true", "yes", "on")
+
+
+def accelerate_sees_every_cpu_rank(environ: dict[str, str] | os._Environ[str] | None = None) -> None:
+    """In a CPU rank, Hugging Face accelerate's ``PartialState()`` sees every rank.
+
+    accelerate chooses MULTI_CPU only from its ``cpu`` argument: no environment variable
+    reaches a bare ``PartialState()`` (ACCELERATE_USE_CPU is read by its AcceleratorState
+    alone), so one made without ``cpu=True`` would see one process, and, being a
+    process-wide singleton, would make the next ``accelerate.Accelerator()`` train the whole
+    data alone. In a CPU rank ``cpu=True`` is the truth, so it is made the default there:
+    now if accelerate is loaded already, else when it is first imported. Nothing is
+    imported here and nothing changes outside the rank.
+    """
+    env = os.environ if environ is None else environ
+    if env.get(USE_CPU, "").strip().lower() not in _TRUE:
+        return
+    module = sys.modules.get(_ACCELERATE_STATE)
+    if module is not None:
+        _default_to_cpu(module)
+    elif not any(isinstance(f, _AccelerateStateHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AccelerateStateHook())
+
+
+def _default_to_cpu(module: ModuleType) -> None:
+    cls = getattr(module, "PartialState", None)
+    init = getattr(cls, "__init__", None)
+    if cls is None or init is None or getattr(init, "_cpu_rank_default", False):
+        return
+
+    @functools.wraps(init)
+    def __init__(self: Any, cpu: bool = True, **kwargs: Any) -> None:
+        init(self, True, **kwargs)
+
+    __init__._cpu_rank_default = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__
+
+
+class _AccelerateStateHook(importlib.abc.MetaPathFinder):
+    """Applies ``_default_to_cpu`` to ``accelerate.state`` right after it is first executed."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != _ACCELERATE_STATE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        loader = getattr(spec, "loader", None)
+        if spec is None or loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        execute = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            execute(module)
+            _default_to_cpu(module)
+
+        loader.exec_module = exec_module
+        return spec
 
 
 def inside_rank(environ: dict[str, str] | os._Environ[str] | None = None) -> bool:

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,3 +84,35 @@ def run_torchrun(
             f"\n--- stderr\n{result.stderr[-10000:]}"
         )
     return result
+
+
+def read_wandb_offline(run_file: Path) -> list[Any]:
+    """The records of an offline W&B run file (``run-<id>.wandb``), as protobuf ``Record`` objects.
+
+    The file is a LevelDB-style log: a 7-byte header (":W&B", magic, version), then 32 KiB
+    blocks of chunks (crc32c 4 bytes, length 2, type 1: full, first, middle, last).
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    data = run_file.read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{run_file} is not a W&B run file")
+    block, position, pending, records = 32768, 7, b"", []
+    while position + 7 <= len(data):
+        left = block - position % block
+        if left < 7:
+            position += left  # block trailer: zero padding
+            continue
+        length = int.from_bytes(data[position + 4 : position + 6], "little")
+        kind = data[position + 6]
+        chunk = data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind == 0 and length == 0:
+            continue
+        pending += chunk
+        if kind in (1, 4):  # full or last: a record is complete
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from notebook_launcher.accelerator.accelerator import Accelerator
-from notebook_launcher.accelerator.accelerator_state import AcceleratorState
+from notebook_launcher.accelerator.accelerator_state import AcceleratorState, PartialState
 from notebook_launcher.accelerator.checkpointing import ProjectConfiguration
 from notebook_launcher.accelerator.data import DataLoaderConfiguration
 from notebook_launcher.accelerator.gradient_state import GradientState
@@ -13,6 +13,17 @@ from notebook_launcher.accelerator.kwargs import (
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     GradScalerKwargs,
+    ProfileKwargs,
+)
+from notebook_launcher.accelerator.operations import (
+    broadcast,
+    broadcast_object_list,
+    copy_tensor_to_devices,
+    gather,
+    gather_object,
+    pad_across_processes,
+    reduce,
+    send_to_device,
 )
 from notebook_launcher.accelerator.state import DistributedType
 from notebook_launcher.accelerator.trackers import GeneralTracker, TensorBoardTracker
@@ -21,6 +32,8 @@ from notebook_launcher.errors import (
     AcceleratorError,
     CheckpointError,
     CollectiveError,
+    CollectiveTypeError,
+    DistributedOperationException,
     MissingDependencyError,
     MixedPrecisionError,
     RankEnvironmentError,
@@ -36,8 +49,10 @@ __all__ = [
     "AutocastKwargs",
     "CheckpointError",
     "CollectiveError",
+    "CollectiveTypeError",
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
+    "DistributedOperationException",
     "DistributedType",
     "FullyShardedDataParallelPlugin",
     "GeneralTracker",
@@ -46,13 +61,23 @@ __all__ = [
     "GradientState",
     "MissingDependencyError",
     "MixedPrecisionError",
+    "PartialState",
+    "ProfileKwargs",
     "ProjectConfiguration",
     "RankEnvironmentError",
     "ShardingError",
     "TensorBoardTracker",
     "TrackerError",
     "add_metric_sink",
+    "broadcast",
+    "broadcast_object_list",
+    "copy_tensor_to_devices",
+    "gather",
+    "gather_object",
+    "pad_across_processes",
+    "reduce",
     "remove_metric_sink",
+    "send_to_device",
     "set_seed",
     "tqdm",
 ]

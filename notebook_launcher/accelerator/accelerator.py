@@ -7,6 +7,7 @@ and examples transfer. Built on torch's own parts: DDP or FSDP2 ``fully_shard``,
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -37,8 +38,11 @@ from notebook_launcher.accelerator.kwargs import (
     GradientAccumulationPlugin,
     GradScalerKwargs,
     KwargsHandler,
+    ProfileKwargs,
 )
+from notebook_launcher.accelerator.lifecycle import Lifecycle
 from notebook_launcher.accelerator.optimizer import AcceleratedOptimizer
+from notebook_launcher.accelerator.saving import Saving
 from notebook_launcher.accelerator.scheduler import AcceleratedScheduler
 from notebook_launcher.accelerator.state import (
     DistributedType,
@@ -96,7 +100,7 @@ def _accumulation_plugin(
     )
 
 
-class Accelerator(Coordination, Checkpointing):
+class Accelerator(Coordination, Checkpointing, Lifecycle, Saving):
     """Makes a training loop run on every rank of a launch, in the precision asked for.
 
     With no arguments it takes what the launcher chose (precision, device) from the rank's
@@ -170,6 +174,10 @@ class Accelerator(Coordination, Checkpointing):
         self._dataloaders: list[DataLoaderShard] = []
         self._custom_objects: list[Any] = []
         self._parameter_swaps: dict[int, torch.nn.Parameter] = {}
+        self._profile_kwargs = handlers.get(ProfileKwargs)  # type: ignore[assignment]
+        # OrderedDict: torch's RemovableHandle holds them by weak reference.
+        self._save_state_pre_hooks: dict[int, Any] = collections.OrderedDict()
+        self._load_state_pre_hooks: dict[int, Any] = collections.OrderedDict()
 
     # ---- who and where -------------------------------------------------------------
     @property
@@ -474,7 +482,9 @@ class Accelerator(Coordination, Checkpointing):
         elif structured:
             data = operations.concatenate(operations.gather_object([input_data]))
         else:
-            data = operations.gather_object(input_data)
+            # One value per rank (a number, a string) is gathered as one entry per rank.
+            items = input_data if isinstance(input_data, (list, tuple)) else [input_data]
+            data = operations.gather_object(items)
         loader = self.gradient_state.active_loader
         if loader is None or not loader.end_of_dataloader:
             return data

@@ -1,7 +1,8 @@
-"""``accelerator.state``: who this process is, with accelerate's public attribute names.
+"""``accelerator.state`` and ``PartialState``: who this process is, with accelerate's names.
 
 One object per Accelerator, not accelerate's process-wide singleton: a second Accelerator
-(or one made in the notebook kernel) never changes what another one sees.
+(or one made in the notebook kernel) never changes what another one sees. ``PartialState``
+is the same without a precision, for code that only needs ranks and collectives.
 """
 
 from __future__ import annotations
@@ -12,23 +13,60 @@ from collections.abc import Iterator
 from typing import Any, Callable, TypeVar
 
 import torch
+import torch.distributed as dist
 
-from notebook_launcher.accelerator import processes
-from notebook_launcher.accelerator.state import DistributedType, RankState
+from notebook_launcher.accelerator import operations, processes
+from notebook_launcher.accelerator.state import (
+    DistributedType,
+    RankState,
+    choose_distributed_type,
+    init_process_group_if_needed,
+    read_rank_state,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class AcceleratorState:
-    """Rank, world size, device, precision and how ranks cooperate, as accelerate names them."""
+class PartialState:
+    """Rank, world size and device of this process, as accelerate's ``PartialState`` names them.
 
-    def __init__(
-        self, rank_state: RankState, mixed_precision: str, distributed_type: DistributedType
-    ) -> None:
+    ``PartialState()`` reads the rank's environment (a launch of notebook_launcher, torchrun,
+    or one plain process) and joins the process group when there are several ranks.
+    ``cpu=True`` keeps the process on the CPU whatever the hardware.
+    """
+
+    def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
+        rank_state = read_rank_state(cpu=cpu)
+        self._created_process_group = init_process_group_if_needed(rank_state)
+        self._setup(
+            rank_state,
+            choose_distributed_type(rank_state.device_kind, rank_state.world_size, False),
+        )
+
+    def _setup(self, rank_state: RankState, distributed_type: DistributedType) -> None:
         self.rank_state = rank_state
-        self.mixed_precision = mixed_precision
         self.distributed_type = distributed_type
         self.initialized = True
+
+    @property
+    def debug(self) -> bool:
+        """accelerate's debug mode: collectives compare shapes across ranks first and raise
+        DistributedOperationException naming each rank's shapes. On with
+        ``ACCELERATE_DEBUG_MODE=1``; setting it applies to the whole process."""
+        return operations.debug_mode()
+
+    @debug.setter
+    def debug(self, value: bool) -> None:
+        operations.set_debug_mode(bool(value))
+
+    def destroy_process_group(self, group: Any = None) -> None:
+        """Leave the process group (or destroy ``group``); nothing happens when none exists."""
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group(group)
+
+    @property
+    def default_device(self) -> torch.device:
+        return self.device
 
     # accelerate's names
     @property
@@ -97,7 +135,6 @@ class AcceleratorState:
             f"Distributed environment: {self.distributed_type.value}  Backend: {self.backend}\n"
             f"Num processes: {self.num_processes}\nProcess index: {self.process_index}\n"
             f"Local process index: {self.local_process_index}\nDevice: {self.device}\n"
-            f"Mixed precision type: {self.mixed_precision}\n"
         )
 
     # coordinating processes
@@ -145,6 +182,19 @@ class AcceleratorState:
         if function is None:
             return functools.partial(self.on_local_process, local_process_index=local_process_index)
         return _only_when(lambda: self.local_process_index == local_process_index, function)
+
+
+class AcceleratorState(PartialState):
+    """Rank, world size, device, precision and how ranks cooperate, as accelerate names them."""
+
+    def __init__(
+        self, rank_state: RankState, mixed_precision: str, distributed_type: DistributedType
+    ) -> None:
+        self._setup(rank_state, distributed_type)
+        self.mixed_precision = mixed_precision
+
+    def __repr__(self) -> str:
+        return super().__repr__() + f"Mixed precision type: {self.mixed_precision}\n"
 
 
 def _only_when(condition: Callable[[], bool], function: F) -> F:

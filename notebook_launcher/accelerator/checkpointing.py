@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from notebook_launcher.accelerator import fsdp
+from notebook_launcher.accelerator import fsdp, saving
 from notebook_launcher.accelerator.wrappers import unwrap
 from notebook_launcher.errors import CheckpointError
 
@@ -169,6 +169,8 @@ class Checkpointing:
             config.save_on_each_node and self.state.is_local_main_process
         )
         weights = self._full_weights()  # a collective under FSDP2: every rank takes part
+        hooks = getattr(self, "_save_state_pre_hooks", {})
+        weights = saving.run_save_hooks(hooks, self._models, weights, target)
         if writer:
             self._save_shared(target, weights, safe_serialization)
         rank = self.state.process_index
@@ -290,12 +292,13 @@ class Checkpointing:
                 "load_state() needs a folder: pass load_state(input_dir=...), or create the "
                 "Accelerator with ProjectConfiguration(automatic_checkpoint_naming=True)."
             )
-        self._load_shared(source)
+        hooks = getattr(self, "_load_state_pre_hooks", {})
+        self._load_shared(source, saving.run_load_hooks(hooks, self._models, source))
         self._load_rank_states(source)
         self._load_gradients(source)
 
-    def _load_shared(self, source: Path) -> None:
-        for i, model in enumerate(self._models):
+    def _load_shared(self, source: Path, models: list[torch.nn.Module] | None = None) -> None:
+        for i, model in enumerate(self._models if models is None else models):
             module = unwrap(model)
             safe = source / _indexed("model", i, ".safetensors")
             if safe.exists() and not fsdp.is_fully_sharded(model):
@@ -315,14 +318,12 @@ class Checkpointing:
                 optimizer.load_state_dict(state)
             else:
                 fsdp.load_full_optimizer_state_dict(owner, optimizer.optimizer, state)
-        loads: list[tuple[str, list[Any]]] = [
-            ("scheduler", self._schedulers),
-            ("sampler", self._dataloaders),
-        ]
-        for stem, objects in loads:
-            for i, obj in enumerate(objects):
-                path = source / _indexed(stem, i, ".bin")
-                obj.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+        for i, scheduler in enumerate(self._schedulers):
+            path = source / _indexed("scheduler", i, ".bin")
+            scheduler.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+        positions = saving.loader_states(source, len(self._dataloaders), self.state.process_index)
+        for loader, position in zip(self._dataloaders, positions):
+            loader.load_state_dict(position)
         if self.scaler is not None and (source / "scaler.pt").exists():
             self.scaler.load_state_dict(torch.load(source / "scaler.pt", weights_only=False))
         saved = sorted(source.glob("custom_checkpoint_*.pkl"))

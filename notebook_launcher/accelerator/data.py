@@ -48,6 +48,9 @@ class DataLoaderConfiguration:
         of rank 0, as one process would.
     data_seed: the seed of the seedable sampler (default: rank 0's torch.initial_seed()).
     non_blocking: copy batches to the GPU asynchronously (useful with pin_memory=True).
+    use_stateful_dataloader: a prepared loader resumes where its ``state_dict()`` was taken:
+        after ``load_state_dict`` (or ``load_state``) its next pass continues the saved
+        epoch, with its shuffle, after the batches already taken.
     """
 
     split_batches: bool = False
@@ -56,6 +59,7 @@ class DataLoaderConfiguration:
     use_seedable_sampler: bool = False
     data_seed: int | None = None
     non_blocking: bool = False
+    use_stateful_dataloader: bool = False
 
 
 class DataLoaderShard(DataLoader):
@@ -70,9 +74,13 @@ class DataLoaderShard(DataLoader):
         gradient_state: GradientState,
         shard: ShardedBatchSampler | IterableDatasetShard | BatchDispatcher | None,
         total_batch_size: int | None,
+        stateful: bool = False,
         **loader_kwargs: Any,
     ) -> None:
         super().__init__(dataset, **loader_kwargs)
+        self.stateful = stateful
+        self._resume_skip = 0  # batches of the saved pass already taken (stateful resume)
+        self._pass_skip = 0  # of those, what the current pass leaves out
         self.device = device
         self.non_blocking = non_blocking
         self.gradient_state = gradient_state
@@ -112,7 +120,7 @@ class DataLoaderShard(DataLoader):
             self.dataset.set_epoch(epoch)
 
     def _inner_sampler(self) -> Any:
-        batch_sampler = self.batch_sampler
+        batch_sampler = self.batch_sampler if self.batch_sampler is not None else self.sampler
         while isinstance(batch_sampler, (ShardedBatchSampler, SkipBatches)):
             batch_sampler = batch_sampler.batch_sampler
         return getattr(batch_sampler, "sampler", None)
@@ -141,8 +149,9 @@ class DataLoaderShard(DataLoader):
             batches: Iterator[Any] = self.shard.batches(reader)
         else:
             batches = super().__iter__()
+        skip = self._skip_after_collate + self._pass_skip
         for i, batch in enumerate(batches):
-            if i >= self._skip_after_collate:
+            if i >= skip:
                 yield batch
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
@@ -150,7 +159,9 @@ class DataLoaderShard(DataLoader):
         if isinstance(self._inner_sampler(), SeedableRandomSampler):
             self.set_epoch(owner.iteration)
         self._end_of_dataloader = False
-        self.batches_yielded = 0
+        self._pass_skip = owner._resume_skip
+        owner._resume_skip = 0
+        self.batches_yielded = self._pass_skip
         self.gradient_state.begin_loader(self)
         # A resumed pass must leave torch's RNG as the interrupted run left it: the sampler
         # replays the saved shuffle instead of drawing, and the draw DataLoader makes for
@@ -200,6 +211,8 @@ class DataLoaderShard(DataLoader):
         if isinstance(sampler, SeedableRandomSampler) and state.get("seed") is not None:
             sampler.seed = int(state["seed"])
         self._resuming = True
+        if self.stateful:
+            self._owner()._resume_skip = self.batches_yielded
 
     def skipping(self, num_batches: int) -> DataLoaderShard:
         """A view of this loader that leaves out the first ``num_batches`` of each pass."""
@@ -210,7 +223,7 @@ class DataLoaderShard(DataLoader):
         view = copy.copy(self)
         view._origin = self._owner()
         view._iterator = None  # never share a persistent-workers iterator with the original
-        if isinstance(self.shard, ShardedBatchSampler):
+        if isinstance(self.shard, ShardedBatchSampler) and self.batch_sampler is self.shard:
             # Skipped at the index level: the skipped samples are never loaded.
             view.__dict__["batch_sampler"] = SkipBatches(self.shard, num_batches)
         else:
@@ -287,6 +300,7 @@ def prepare_data_loader(
         "device": device,
         "non_blocking": config.non_blocking,
         "gradient_state": gradient_state,
+        "stateful": config.use_stateful_dataloader,
         **_carried_settings(loader),
     }
     world_size, rank = state.world_size, state.rank
@@ -296,10 +310,15 @@ def prepare_data_loader(
         return _prepare_iterable(loader, state, config, common)
 
     batch_sampler = loader.batch_sampler
+    # DataLoader(sampler=BatchSampler(...), batch_size=None): the data set fetches a whole
+    # batch of indices at once; the batch sampler is sharded and stays in the sampler slot.
+    batches_as_samples = batch_sampler is None and isinstance(loader.sampler, BatchSampler)
+    if batches_as_samples:
+        batch_sampler = loader.sampler
     if batch_sampler is None:
         raise ShardingError(
             "This DataLoader has batch_size=None (no batching), so it cannot be split into "
-            "per-rank batches; give it a batch_size."
+            "per-rank batches; give it a batch_size, or a BatchSampler as its sampler."
         )
     batch_size = getattr(batch_sampler, "batch_size", None)
     sampler = getattr(batch_sampler, "sampler", None)
@@ -341,6 +360,15 @@ def prepare_data_loader(
         total_batch_size = shard.round_size
     elif world_size > 1 and batch_size is not None:
         total_batch_size = batch_size * world_size  # the user's DistributedSampler already shards
+    if batches_as_samples:
+        return DataLoaderShard(
+            loader.dataset,
+            sampler=batch_sampler,
+            batch_size=None,
+            shard=shard,
+            total_batch_size=total_batch_size,
+            **common,
+        )
     return DataLoaderShard(
         loader.dataset,
         batch_sampler=batch_sampler,

@@ -90,8 +90,30 @@ class FullyShardedDataParallelPlugin:
     shard_module_filter: Callable[[torch.nn.Module], bool] | None = None
 
 
+@dataclasses.dataclass
+class ProfileKwargs(KwargsHandler):
+    """Arguments for ``Accelerator.profile()`` (``torch.profiler.profile``), named as in accelerate.
+
+    activities: "cpu", "cuda" (default: the CPU, and CUDA when ranks run on GPUs).
+    schedule_option: ``torch.profiler.schedule`` arguments (wait, warmup, active, repeat,
+    skip_first). output_trace_dir: each rank writes ``trace_rank<r>.json`` (Chrome trace)
+    there when the block ends.
+    """
+
+    activities: list[str] | None = None
+    schedule_option: dict[str, int] | None = None
+    on_trace_ready: Callable[..., Any] | None = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    output_trace_dir: str | None = None
+
+
 KWARGS_HANDLER_TYPES: tuple[type[KwargsHandler], ...] = (
     AutocastKwargs,
     DistributedDataParallelKwargs,
     GradScalerKwargs,
+    ProfileKwargs,
 )

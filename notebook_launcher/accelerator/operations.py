@@ -7,6 +7,7 @@ does not branch on the world size.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -14,7 +15,30 @@ import torch
 import torch.distributed as dist
 
 from notebook_launcher.accelerator import xla
-from notebook_launcher.errors import CollectiveError
+from notebook_launcher.errors import (
+    CollectiveError,
+    CollectiveTypeError,
+    DistributedOperationException,
+)
+
+DEBUG_MODE = "ACCELERATE_DEBUG_MODE"
+_debug_override: bool | None = None
+
+
+def debug_mode() -> bool:
+    """accelerate's debug mode: shapes are compared across ranks before every collective.
+
+    On with ``ACCELERATE_DEBUG_MODE=1`` (read at each call) or ``accelerator.state.debug = True``.
+    """
+    if _debug_override is not None:
+        return _debug_override
+    return os.environ.get(DEBUG_MODE, "").strip().lower() in ("1", "true", "t", "yes", "y", "on")
+
+
+def set_debug_mode(value: bool | None) -> None:
+    """Force debug mode on or off for this process (None: follow the environment again)."""
+    global _debug_override
+    _debug_override = value
 
 # torch 2.13 renamed all_gather_into_tensor; the old name warns there and is the only one before.
 _all_gather_single: Callable[..., Any] = (
@@ -75,11 +99,52 @@ def gather(data: Any) -> Any:
     CollectiveError on every rank instead of aborting the ranks inside the
     backend); ``pad_across_processes`` first when they differ.
     """
+    require_tensors(data, "gather")
     if not is_distributed():
         return recursively_apply(lambda t: t.unsqueeze(0) if t.ndim == 0 else t, data)
     if not xla.active():  # torch_xla's all_gather checks shapes itself; no gloo group there
         check_same_shapes(data, "gather")
     return recursively_apply(_gather_tensor, data)
+
+
+def _first_non_tensor(data: Any, path: str = "") -> tuple[str, Any] | None:
+    if isinstance(data, torch.Tensor):
+        return None
+    if isinstance(data, (list, tuple)):
+        items: Any = enumerate(data)
+    elif isinstance(data, Mapping):
+        items = data.items()
+    else:
+        return path, data
+    for key, value in items:
+        found = _first_non_tensor(value, f"{path}[{key!r}]")
+        if found is not None:
+            return found
+    return None
+
+
+def require_tensors(data: Any, operation: str) -> None:
+    """Raise CollectiveTypeError when ``data`` holds anything but tensors.
+
+    A Python number passed through unchanged would look combined across ranks while it
+    still holds this rank's own value, so it is refused on one process as on many.
+    """
+    found = _first_non_tensor(data)
+    if found is None:
+        return
+    path, value = found
+    where = f" at {path}" if path else ""
+    raise CollectiveTypeError(
+        f"{operation} takes tensors, or lists, tuples and dicts of tensors; it got a value "
+        f"of type {type(value).__name__} ({_short_repr(value)}){where}, which it cannot combine across "
+        f"ranks. Make it a tensor first (torch.tensor(value, device=accelerator.device)), or "
+        "use gather_object for values that are not tensors."
+    )
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _shapes(data: Any) -> list[tuple[str, tuple[int, ...]]]:
@@ -94,7 +159,7 @@ def _shapes(data: Any) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def check_same_shapes(data: Any, operation: str) -> None:
-    """Raise CollectiveError (on every rank alike) when ranks' tensors differ in shape."""
+    """Raise DistributedOperationException (on every rank alike) when ranks' tensors differ."""
     mine = _shapes(data)
     everyone: list[Any] = [None] * world_size()
     dist.all_gather_object(everyone, mine)
@@ -104,7 +169,7 @@ def check_same_shapes(data: Any, operation: str) -> None:
         f"rank {r}: " + (", ".join(str(list(shape)) for _, shape in shapes) or "no tensors")
         for r, shapes in enumerate(everyone)
     )
-    raise CollectiveError(
+    raise DistributedOperationException(
         f"{operation} needs tensors of the same shape and dtype on every rank, but the ranks "
         f"passed different ones ({described}). Make them equal first, e.g. "
         f"accelerator.pad_across_processes(tensor, dim=0) before accelerator.{operation}(...)."
@@ -112,17 +177,31 @@ def check_same_shapes(data: Any, operation: str) -> None:
 
 
 def gather_object(obj: Any) -> list[Any]:
-    """Every rank's picklable object; lists are concatenated in rank order."""
+    """Every rank's list or tuple of picklable objects, concatenated in rank order.
+
+    As accelerate's: ``(r, "x")`` on 2 ranks gives ``[0, "x", 1, "x"]``. Anything else (a
+    number, a dict, a string) raises CollectiveTypeError, also on one process: accelerate
+    would iterate a dict's keys or a string's characters, or fail only on several ranks.
+    """
+    if not isinstance(obj, (list, tuple)):
+        raise CollectiveTypeError(
+            f"gather_object takes a list or tuple of picklable objects on each rank and "
+            f"concatenates them in rank order; it got a value of type {type(obj).__name__} "
+            f"({_short_repr(obj)}). Wrap a single object in a list: gather_object([obj]) "
+            "gives one entry per rank."
+        )
+    return _gather_objects(list(obj))
+
+
+def _gather_objects(items: list[Any]) -> list[Any]:
     if not is_distributed():
-        return list(obj) if isinstance(obj, list) else [obj]
+        return items
     gathered: list[Any] = [None] * world_size()
     if xla.active():
-        gathered = xla.gather_object(obj)
+        gathered = xla.gather_object(items)
     else:
-        dist.all_gather_object(gathered, obj)
-    if isinstance(obj, list):
-        return [item for part in gathered for item in part]
-    return gathered
+        dist.all_gather_object(gathered, items)
+    return [item for part in gathered for item in part]
 
 
 _REDUCE_OPS = {
@@ -140,6 +219,9 @@ def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
             f"reduce(..., reduction={reduction!r}) is not a reduction this core knows; "
             "use 'sum', 'mean', 'max' or 'min'."
         )
+    require_tensors(data, "reduce")
+    if debug_mode() and is_distributed() and not xla.active():
+        check_same_shapes(data, "reduce")
 
     def reduce_one(tensor: torch.Tensor) -> torch.Tensor:
         result = tensor.clone()
@@ -158,6 +240,9 @@ def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
 
 def broadcast(data: Any, from_process: int = 0) -> Any:
     """The tensors of rank ``from_process``, copied in place into every rank's tensors."""
+    require_tensors(data, "broadcast")
+    if debug_mode() and is_distributed() and not xla.active():
+        check_same_shapes(data, "broadcast")
 
     def broadcast_one(tensor: torch.Tensor) -> torch.Tensor:
         if is_distributed() and xla.active():
@@ -178,16 +263,31 @@ def broadcast_object_list(objects: list[Any], from_process: int = 0) -> list[Any
     return objects
 
 
+_MAX_DIMS = 16  # a shape is exchanged as ndim + up to this many sizes, so every rank sends alike
+
+
 def pad_across_processes(
     data: Any, dim: int = 0, pad_index: int | float = 0, pad_first: bool = False
 ) -> Any:
-    """Tensors padded along ``dim`` to the largest size any rank has, so they can be gathered."""
+    """Tensors padded along ``dim`` to the largest size any rank has, so they can be gathered.
+
+    Ranks whose tensors differ in number of dimensions get DistributedOperationException
+    naming every rank's shape (the backend would abort the processes instead).
+    """
+    require_tensors(data, "pad_across_processes")
 
     def pad_one(tensor: torch.Tensor) -> torch.Tensor:
-        if not is_distributed() or tensor.ndim == 0 or dim >= tensor.ndim or dim < -tensor.ndim:
+        if not is_distributed():
             return tensor
-        size = torch.tensor(tensor.shape, device=tensor.device)
-        max_size = int(_gather_tensor(size[None]).max(dim=0).values[dim])
+        if xla.active():
+            shapes = [list(tensor.shape)] * world_size()  # torch_xla checks ranks itself
+        else:
+            shapes = _exchange_shapes(tensor)
+        if any(len(shape) != tensor.ndim for shape in shapes):
+            _raise_shape_mismatch("pad_across_processes", shapes)
+        if tensor.ndim == 0 or dim >= tensor.ndim or dim < -tensor.ndim:
+            return tensor
+        max_size = max(shape[dim] for shape in shapes)
         if max_size == tensor.shape[dim]:
             return tensor
         new_shape = list(tensor.shape)
@@ -199,6 +299,36 @@ def pad_across_processes(
         return padded
 
     return recursively_apply(pad_one, data)
+
+
+def _exchange_shapes(tensor: torch.Tensor) -> list[list[int]]:
+    """Every rank's shape of its tensor, in rank order (one fixed-size all-gather).
+
+    Each rank sends its number of dimensions and up to _MAX_DIMS sizes, so every rank takes
+    part alike whatever it holds; only when all ranks hold more dimensions than that do they
+    exchange the full shapes in a second step.
+    """
+    row = torch.zeros(1, _MAX_DIMS + 1, dtype=torch.int64, device=tensor.device)
+    row[0, 0] = tensor.ndim
+    sent = min(tensor.ndim, _MAX_DIMS)
+    if sent:
+        row[0, 1 : sent + 1] = torch.tensor(tensor.shape[:sent], dtype=torch.int64)
+    rows = _gather_tensor(row).tolist()
+    ndims = [int(r[0]) for r in rows]
+    if all(n == ndims[0] for n in ndims) and ndims[0] > _MAX_DIMS:
+        everyone: list[Any] = [None] * world_size()
+        dist.all_gather_object(everyone, list(tensor.shape))
+        return everyone
+    return [r[1 : min(n, _MAX_DIMS) + 1] + [-1] * max(0, n - _MAX_DIMS) for r, n in zip(rows, ndims)]
+
+
+def _raise_shape_mismatch(operation: str, shapes: list[list[int]]) -> None:
+    described = "; ".join(f"rank {r}: {list(shape)}" for r, shape in enumerate(shapes))
+    raise DistributedOperationException(
+        f"{operation} needs tensors with the same number of dimensions on every rank, but the "
+        f"ranks passed tensors of shapes {described}. Only the size along the padded dimension "
+        "may differ; reshape them alike first."
+    )
 
 
 # ---- batches as collections of samples (for gather_for_metrics and dispatching) -----------
@@ -252,3 +382,42 @@ def sample_count(data: Any) -> int:
             if n >= 0:
                 return n
     return -1
+
+
+def copy_tensor_to_devices(tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """The main process's tensor, copied to every rank (the others pass None).
+
+    Shape and dtype travel first, so only the main process needs to know them.
+    """
+    rank = dist.get_rank() if is_distributed() and not xla.active() else 0
+    if not is_distributed():
+        if tensor is None:
+            raise CollectiveError(
+                "copy_tensor_to_devices(None) on the main process: it has no tensor to copy; "
+                "pass the tensor there (the other ranks pass None)."
+            )
+        return tensor
+    if xla.active():
+        meta = xla.gather_object(None if tensor is None else (tuple(tensor.shape), tensor.dtype))[0]
+    else:
+        shared: list[Any] = [None if tensor is None else (tuple(tensor.shape), tensor.dtype)]
+        dist.broadcast_object_list(shared, src=0)
+        meta = shared[0]
+    if meta is None:
+        raise CollectiveError(
+            "copy_tensor_to_devices got None on the main process (rank 0): it has no tensor to "
+            "copy; pass the tensor on rank 0 and None on the others."
+        )
+    shape, dtype = meta
+    if rank != 0 or tensor is None:
+        device = tensor.device if tensor is not None else _collective_device()
+        tensor = torch.zeros(shape, dtype=dtype, device=device)
+    return broadcast(tensor.contiguous(), from_process=0)
+
+
+def _collective_device() -> torch.device:
+    if xla.active():
+        return xla.acquire_device()
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

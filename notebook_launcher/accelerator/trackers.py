@@ -106,9 +106,22 @@ class MLflowTracker(GeneralTracker):
     def __init__(self, run_name: str, logging_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         import mlflow
 
+        folder = None
         if logging_dir is not None and not os.environ.get("MLFLOW_TRACKING_URI"):
-            mlflow.set_tracking_uri(os.fspath(logging_dir))
-        mlflow.set_experiment(run_name)
+            folder = os.fspath(logging_dir)
+            mlflow.set_tracking_uri(folder)
+        try:
+            mlflow.set_experiment(run_name)
+        except mlflow.exceptions.MlflowException as e:
+            if folder is None or os.environ.get("MLFLOW_ALLOW_FILE_STORE"):
+                raise
+            raise TrackerError(
+                f"MLflow {mlflow.__version__} refused the folder {folder!r} (the logging "
+                f"directory) as its store: {e.message.splitlines()[0]} Set "
+                "MLFLOW_ALLOW_FILE_STORE=true to keep runs in that folder, or set "
+                "MLFLOW_TRACKING_URI (e.g. sqlite:///mlflow.db, which needs the full mlflow "
+                "package) to store them elsewhere."
+            ) from e
         self.run = mlflow.start_run(**kwargs)
 
     @property

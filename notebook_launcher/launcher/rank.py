@@ -22,6 +22,7 @@ from typing import Any
 
 import cloudpickle
 
+from notebook_launcher import rank_env
 from notebook_launcher.errors import RankInputError
 from notebook_launcher.launcher.channel import Failure, Hello, Metric, Progress, RankMessage, Result
 from notebook_launcher.launcher.descendants import end_descendants
@@ -327,6 +328,7 @@ def _no_input(prompt: object = "", *args: Any, **kwargs: Any) -> str:
 def _apply_kernel_state(spec: RankSpec) -> None:
     os.environ.clear()
     os.environ.update(spec.environ)
+    rank_env.accelerate_sees_every_cpu_rank()
     with contextlib.suppress(OSError):
         os.chdir(spec.cwd)
     sys.path[:] = spec.sys_path
