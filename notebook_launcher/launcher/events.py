@@ -20,6 +20,9 @@ class LaunchStarted:
     accelerator: str
     mixed_precision: str
     fallback_reason: str | None  # why "auto" did not fork
+    # This machine's ranks are first_rank .. first_rank + num_processes - 1; None where only
+    # the rendezvous decides (c10d), so that they are known by their RankStarted alone.
+    first_rank: int | None = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import socket
 import time
+import traceback
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, Union, cast
 
 from notebook_launcher.errors import LaunchConfigError, LaunchError, LaunchTimeoutError
 from notebook_launcher.launcher.events import LaunchEvent, RendezvousWaiting
@@ -77,6 +79,27 @@ class RendezvousTimeoutError(RendezvousError, LaunchTimeoutError):
 
 
 Emit = Callable[[LaunchEvent], None]
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _releasing_stores(method: _Method) -> _Method:
+    """A store held by a frame of a raised error's traceback stays open, and keeps its port,
+    for as long as the notebook keeps the error (``sys.last_value``): let go of them."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except BaseException as error:
+            seen: set[int] = set()
+            link: BaseException | None = error
+            while link is not None and id(link) not in seen:
+                seen.add(id(link))
+                traceback.clear_frames(link.__traceback__)
+                link = link.__cause__ or link.__context__
+            raise
+
+    return cast(_Method, wrapper)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +209,7 @@ class _Clock:
 class NodeRendezvous:
     """Several machines, through torch.distributed's rendezvous (static or c10d)."""
 
+    @_releasing_stores
     def __init__(
         self,
         config: RendezvousConfig,
@@ -312,6 +336,7 @@ class NodeRendezvous:
 
     # each round -----------------------------------------------------------------------
 
+    @_releasing_stores
     def next_round(self, attempt: int) -> Round:
         from torch.distributed import PrefixStore
 
@@ -428,6 +453,7 @@ class NodeRendezvous:
             return str(local)
         return self._host if _is_local_address(self._host) else socket.getfqdn()
 
+    @_releasing_stores
     def finish(self) -> None:
         """Wait for every machine to finish before the store they share goes away."""
         from torch.distributed.elastic.utils.store import barrier

@@ -78,7 +78,8 @@ def execute(
         )
         cleanup.callback(meeting.close)
         emit(LaunchStarted(plan.num_processes, plan.start.method, plan.accelerator,
-                           plan.mixed_precision, plan.start.fallback_reason))
+                           plan.mixed_precision, plan.start.fallback_reason,
+                           first_rank=_first_rank(plan)))
         cleanup.push(_FinishedOnError(emit, started))
         attempt = 0
         first_failure = None
@@ -129,6 +130,13 @@ def _run_attempt(
         cleanup.callback(record.close)
         return group.run(deadline=deadline, stop_requested=record.stop_requested)
     raise AssertionError("unreachable")  # for type checkers: the with block returns
+
+
+def _first_rank(plan: LaunchPlan) -> int | None:
+    """This machine's first global rank, where it is known before the rendezvous."""
+    if plan.num_nodes > 1 and plan.rdzv_backend == "c10d":
+        return None  # the c10d rendezvous assigns the group ranks
+    return plan.node_rank * plan.num_processes
 
 
 def _fingerprint(plan: LaunchPlan, function: Callable[..., Any]) -> dict[str, Any]:
