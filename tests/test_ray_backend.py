@@ -187,7 +187,7 @@ def test_ranks_that_other_work_keeps_from_their_cpus_fail_after_the_wait_naming_
         with pytest.raises(
             ray_backend.RayClusterError,
             match=r"^Ray could not place [12] of 2 ranks within 3s: each needs 1 CPU; the cluster "
-            r"has 2 CPU\\(s\\) in all and \\d+ free now, the rest held by other work",
+            r"has 2 CPU\(s\) in all and \d+ free now, the rest held by other work",
         ):
             notebook_launcher(print, num_processes=2, backend="ray")
     finally:
