@@ -105,7 +105,7 @@ def protect_env_rendezvous(secret: str | None) -> None:
     handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
     original = handlers["env"]
     if getattr(original, "_notebook_launcher_secret", None) is not None:
-        original = original._notebook_launcher_original  # type: ignore[attr-defined]
+        original = original._notebook_launcher_original
 
     def secured(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any) -> Iterator[Any]:
         store, rank, world_size = next(original(url, timeout=timeout, **kwargs))
