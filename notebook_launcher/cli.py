@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import runpy
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -144,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT")
     nodes.add_argument("--rdzv-id", default="none", metavar="ID")
     nodes.add_argument(
+        "--rdzv-conf", type=_rdzv_conf, default={}, metavar="KEY=VALUE,...",
+        help="rendezvous options, as torchrun's: join_timeout=900,last_call_timeout=30; "
+        "the shared secret is better given in $NOTEBOOK_LAUNCHER_RDZV_SECRET",
+    )
+    nodes.add_argument(
         "--master-addr", default="127.0.0.1", metavar="ADDRESS",
         help="address the store listens on (default: 127.0.0.1)",
     )
@@ -166,6 +172,26 @@ def _number_type(
         return value
 
     return parse
+
+
+def _rdzv_conf(text: str) -> dict[str, Any]:
+    """torchrun's form: ``key=value`` pairs separated by commas; numbers become numbers."""
+    conf: dict[str, Any] = {}
+    for pair in filter(None, (part.strip() for part in text.split(","))):
+        key, equals, value = pair.partition("=")
+        if not equals or not key.strip():
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE pairs separated by commas, got {pair!r}")
+        conf[key.strip()] = _maybe_number(value.strip())
+    return conf
+
+
+def _maybe_number(text: str) -> Any:
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return text
 
 
 _positive_int = _number_type(int, "a whole number", "at least 1", lambda v: v >= 1)
@@ -270,11 +296,13 @@ def format_report(data: dict[str, Any]) -> str:
 # run ---------------------------------------------------------------------------------
 
 
-def run_script(path: str, argv: list[str]) -> None:
-    """What each rank runs: the script as ``__main__``, as ``python SCRIPT ARGS`` would."""
-    sys.argv = [path, *argv]
+def run_script(path: str, argv: list[str], argv0: str | None = None) -> None:
+    """What each rank runs: the script as ``__main__``, as ``python SCRIPT ARGS`` would
+    (``sys.argv[0]`` as it was typed, as python and torchrun give it)."""
+    shown = argv0 if argv0 and os.path.abspath(argv0) == os.path.abspath(path) else path
+    sys.argv = [shown, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
-    runpy.run_path(path, run_name="__main__")
+    runpy.run_path(shown, run_name="__main__")  # it sets sys.argv[0] to the path it is given
 
 
 def _run(arguments: argparse.Namespace) -> int:
@@ -284,10 +312,14 @@ def _run(arguments: argparse.Namespace) -> int:
     if not os.path.isfile(script):
         raise _UsageError(f"the script {script!r} does not exist or is not a file")
     script_args = list(arguments.script_args)
+    # A shell that starts a command in the background (`cmd &`, nohup) sets SIGINT to
+    # ignored, and Python keeps it so: the launch could then not be interrupted.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         notebook_launcher(
             run_script,
-            (os.path.abspath(script), script_args),
+            (os.path.abspath(script), script_args, script),
             num_processes=arguments.num_processes,
             mixed_precision=arguments.mixed_precision,
             use_port=arguments.port,
@@ -303,6 +335,7 @@ def _run(arguments: argparse.Namespace) -> int:
             rdzv_backend=arguments.rdzv_backend,
             rdzv_endpoint=arguments.rdzv_endpoint,
             rdzv_id=arguments.rdzv_id,
+            rdzv_conf=arguments.rdzv_conf,
             master_addr=arguments.master_addr,
         )
     except LaunchConfigError as error:

@@ -116,6 +116,14 @@ class LaunchTimeoutError(LaunchError, TimeoutError):
     """The launch ran past its ``timeout``; every rank was stopped."""
 
 
+class RendezvousError(LaunchError):
+    """The machines of a multi-node launch could not meet, or disagree on the launch."""
+
+
+class RendezvousTimeoutError(RendezvousError, LaunchTimeoutError):
+    """The machines of a multi-node launch did not all meet in time."""
+
+
 class LaunchStoppedError(LaunchError):
     """The launch was stopped from outside the cell (the JupyterLab sidebar)."""
 

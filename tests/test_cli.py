@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -79,6 +80,8 @@ def test_run_help_explains_the_options_and_where_script_arguments_go():
         (("env", "--yaml"), "unrecognized arguments: --yaml"),
         (("run", "{script}", "--max-restarts", "-1"), "--max-restarts: must be at least 0, got -1"),
         (("run", "{script}", "--num-nodes", "2", "--node-rank", "2"), "node_rank=2 but num_nodes=2"),
+        (("run", "{script}", "--rdzv-conf", "join_timeout"), "--rdzv-conf: expected KEY=VALUE pairs separated by commas, got 'join_timeout'"),
+        (("run", "{script}", "--rdzv-conf", "read_timeout=5"), "rdzv_conf has 'read_timeout', which this launcher does not use"),
     ],
 )
 def test_bad_arguments_give_one_line_and_exit_code_2(tmp_path, words, message):
@@ -234,7 +237,7 @@ def test_interrupting_run_stops_every_rank_and_exits_130(tmp_path):
         process.wait()
     assert process.returncode == 130
     assert "interrupted; every rank was stopped" in stderr
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # a safety net: the loop ends as soon as they are gone
     while time.monotonic() < deadline:  # the interpreter exits before its orphans are reaped
         try:
             assert_no_process_left(tmp_path)
@@ -242,3 +245,43 @@ def test_interrupting_run_stops_every_rank_and_exits_130(tmp_path):
         except AssertionError:
             time.sleep(0.2)
     assert_no_process_left(tmp_path)
+
+
+def test_run_passes_rdzv_conf_to_the_rendezvous(tmp_path):
+    script = write_script(tmp_path, "print('never runs')\n")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{probe.getsockname()[1]}"  # nobody hosts it
+    done = cli("run", str(script), "-n", "1", "--num-nodes", "2", "--node-rank", "1",
+               "--rdzv-endpoint", endpoint, "--rdzv-conf", "join_timeout=2,last_call_timeout=1")
+    assert done.returncode == 1, done.stderr
+    assert f"node_rank=1 could not reach the rendezvous store at {endpoint} within join_timeout=2s" in done.stderr
+
+
+def test_a_script_sees_its_name_as_typed_in_argv_0(tmp_path):
+    write_script(tmp_path, "import sys\nprint('argv0', sys.argv[0])\n")
+    done = cli("run", "train.py", "-n", "1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["[rank0]: argv0 train.py"]
+
+
+def test_run_started_with_sigint_ignored_can_still_be_interrupted(tmp_path):
+    """As a shell leaves it for `notebook-launcher run ... &`."""
+    script = write_script(tmp_path, RANK_SCRIPT)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "notebook_launcher", "run", str(script), "-n", "1", "--", "--hang"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PID_DIR": str(tmp_path)},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        assert process.stdout is not None
+        while not process.stdout.readline().endswith("waiting\n"):
+            assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == 130, stderr
+    assert "interrupted; every rank was stopped" in stderr

@@ -212,6 +212,41 @@ def test_a_rank_leaving_early_is_named_as_the_cause(leak_check):
     assert ".;" not in message and ".." not in message
 
 
+def exit_while_the_other_waits_in_all_reduce():
+    import sys
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        time.sleep(1.0)  # rank 0 waits in all_reduce meanwhile (or soon: named either way)
+        sys.exit(0)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_rank_leaving_while_another_waits_is_named_whichever_end_the_kernel_sees_first(leak_check):
+    for _ in range(3):
+        with pytest.raises(RankFailedError) as caught:
+            notebook_launcher(exit_while_the_other_waits_in_all_reduce, num_processes=2, timeout=120,
+                              start_method="fork")
+        assert "Before that, rank 1 (sys.exit(0)) had already exited early, while rank 0 still needed it" in str(caught.value)
+
+
+def test_a_closed_connection_names_the_rank_that_returned_even_if_its_end_was_seen_later():
+    from notebook_launcher.errors import RankFailure
+    from notebook_launcher.launcher.channel import Result
+    from notebook_launcher.launcher.rank_group import Outcome
+    from notebook_launcher.launcher.report import rank_failed_error
+
+    root = RankFailure(0, 11, 1, "RuntimeError", "[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5", time=100.0)
+    outcome = Outcome(results={1: Result(b"", 0)}, failures=[root], finished_at={1: 100.2})
+    assert "Before that, rank 1 (sys.exit(0)) had already exited early" in str(rank_failed_error(outcome))
+    # A failure of its own (not a closed connection) after a peer returned later: not blamed.
+    own = RankFailure(0, 11, 1, "ValueError", "bad batch", time=100.0)
+    outcome = Outcome(results={1: Result(b"", None)}, failures=[own], finished_at={1: 100.2})
+    assert "Before that" not in str(rank_failed_error(outcome))
+
+
 def fail_with_a_sentence():
     raise ValueError("the loss is NaN.")
 

@@ -184,7 +184,7 @@ def test_bad_multi_node_arguments_are_refused_before_anything_starts(arguments, 
 
 def test_a_machine_that_cannot_reach_the_rendezvous_says_so(leak_check):
     endpoint = f"127.0.0.1:{free_port()}"  # nobody hosts it
-    with pytest.raises(RendezvousError, match=r"node_rank=1 could not reach the rendezvous store at 127\.0\.0\.1:\d+ within 2s"):
+    with pytest.raises(RendezvousError, match=r"node_rank=1 could not reach the rendezvous store at 127\.0\.0\.1:\d+ within join_timeout=2s \(nothing listens there yet\)\. Start the launch on the machine that hosts it too"):
         notebook_launcher(
             print, num_processes=1, num_nodes=2, node_rank=1, rdzv_endpoint=endpoint,
             rdzv_conf={"join_timeout": 2},

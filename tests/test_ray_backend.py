@@ -160,16 +160,38 @@ def test_an_interrupt_stops_every_ray_rank(no_actor_left):
                           observers=[InterruptWhenBothStarted()])
 
 
-def test_more_ranks_than_the_cluster_can_place_is_an_error_not_a_hang(monkeypatch, no_actor_left):
+def test_more_ranks_than_the_cluster_can_place_is_an_error_at_once(no_actor_left):
     from notebook_launcher.launcher.backends import ray as ray_backend
 
-    monkeypatch.setattr(ray_backend, "_PLACE_TIMEOUT_S", 3.0)
+    # Judged against the cluster's totals before any actor exists: no wait, no race.
     with pytest.raises(
         ray_backend.RayClusterError,
-        match=r"Ray could not place 1 of 3 ranks within 3s: each needs 1 CPU, and the cluster "
-        r"has 0 CPU\(s\) and 0 GPU\(s\) free\. Ask for fewer ranks",
+        match=r"^Ray cannot place 3 ranks: each needs 1 CPU, and the cluster has 2 CPU\(s\) and "
+        r"0 GPU\(s\) in all, on 1 node\(s\)\. Ask for at most 2 rank\(s\), or add machines",
     ):
         notebook_launcher(print, num_processes=3, backend="ray")
+
+
+def test_ranks_that_other_work_keeps_from_their_cpus_fail_after_the_wait_naming_it(monkeypatch, no_actor_left):
+    from notebook_launcher.launcher.backends import ray as ray_backend
+
+    @ray.remote(num_cpus=1)
+    class Holder:
+        def ready(self):
+            return True
+
+    holder = Holder.remote()
+    ray.get(holder.ready.remote())  # one of the two CPUs is taken by other work
+    monkeypatch.setattr(ray_backend, "_PLACE_TIMEOUT_S", 3.0)
+    try:
+        with pytest.raises(
+            ray_backend.RayClusterError,
+            match=r"^Ray could not place [12] of 2 ranks within 3s: each needs 1 CPU; the cluster "
+            r"has 2 CPU\(s\) in all and \d+ free now, the rest held by other work",
+        ):
+            notebook_launcher(print, num_processes=2, backend="ray")
+    finally:
+        ray.kill(holder)
 
 
 def test_ray_refuses_multi_node_arguments_and_a_stray_address(cluster):

@@ -20,6 +20,9 @@ class LaunchStarted:
     accelerator: str
     mixed_precision: str
     fallback_reason: str | None  # why "auto" did not fork
+    # This machine's ranks are first_rank .. first_rank + num_processes - 1; None where only
+    # the rendezvous decides (c10d), so that they are known by their RankStarted alone.
+    first_rank: int | None = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +74,18 @@ class GroupRestarting:
 
 
 @dataclasses.dataclass(frozen=True)
+class RendezvousWaiting:
+    """This machine waits for the others of a multi-node launch (sent every few seconds)."""
+
+    waiting_for: str  # "the rendezvous store" or "machines"
+    joined: tuple[int, ...]  # node ranks that joined (empty while the store is awaited)
+    missing: tuple[int, ...]  # node ranks not there yet (static), empty where unknown (c10d)
+    waited_s: float
+    limit_s: float  # join_timeout, or what is left of timeout= if that is shorter
+    line: str  # what the cell shows
+
+
+@dataclasses.dataclass(frozen=True)
 class LaunchFinished:
     # "ok", "failed", "timeout", "interrupted", "stopped", or "error" (the launcher or an
     # observer raised); sent on every path that sent LaunchStarted
@@ -86,6 +101,7 @@ LaunchEvent = Union[
     RankMetric,
     RankFinished,
     GroupRestarting,
+    RendezvousWaiting,
     LaunchFinished,
 ]
 

@@ -18,8 +18,10 @@ from notebook_launcher.errors import LaunchConfigError, LaunchTypeError
 from notebook_launcher.hardware import HardwareReport
 
 RDZV_BACKENDS = ("static", "c10d")
-# Options of rdzv_conf that launcher/rendezvous.py reads; torchrun's names.
-RDZV_CONF_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "timeout", "is_host", "local_addr")
+# Options of rdzv_conf that launcher/rendezvous.py reads; torchrun's names, and the shared secret.
+RDZV_CONF_KEYS = (
+    "join_timeout", "last_call_timeout", "close_timeout", "timeout", "is_host", "local_addr", "secret",
+)
 
 
 def check_not_inside_rank(inside_rank: bool) -> None:

@@ -11,6 +11,7 @@ from notebook_launcher.launcher.events import (
     LaunchEvent,
     LaunchStarted,
     OutputLine,
+    RendezvousWaiting,
 )
 from notebook_launcher.rules import OUTPUT_MODES
 
@@ -45,7 +46,7 @@ class TextPrinter:
             )
         elif isinstance(event, OutputLine):
             self._print_line(event)
-        elif isinstance(event, GroupRestarting) and self._output != "none":
+        elif isinstance(event, (GroupRestarting, RendezvousWaiting)) and self._output != "none":
             print(f"notebook_launcher: {event.line}", file=sys.stderr)
 
     def _print_line(self, line: OutputLine) -> None:

@@ -26,6 +26,7 @@ from notebook_launcher import rank_env
 from notebook_launcher.errors import RankInputError
 from notebook_launcher.launcher.channel import Failure, Hello, Metric, Progress, RankMessage, Result
 from notebook_launcher.launcher.descendants import end_descendants
+from notebook_launcher.launcher.store import SECRET_ENV, protect_env_rendezvous
 from notebook_launcher.tracking import add_metric_sink, add_progress_sink
 
 _channel: Connection | None = None
@@ -91,6 +92,8 @@ def run_rank(
     _detach_from_kernel()
     _redirect_output(ends.stdout, ends.stderr)
     _apply_kernel_state(spec)
+    # The store's keys are the launch's alone; not inherited by what the function starts.
+    protect_env_rendezvous(os.environ.pop(SECRET_ENV, None))
     exit_code: int | str | None = None
     try:
         function, args, kwargs = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload

@@ -25,15 +25,32 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import json
 import os
 import socket
 import time
+import traceback
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, Union, cast
 
-from notebook_launcher.errors import LaunchConfigError, LaunchError
-from notebook_launcher.launcher.store import RendezvousStore, bind_listener
+from notebook_launcher.errors import (
+    LaunchConfigError,
+    LaunchError,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
+from notebook_launcher.launcher.events import LaunchEvent, RendezvousWaiting
+from notebook_launcher.launcher.store import (
+    PortInUseError,
+    RendezvousStore,
+    bind_listener,
+    derived_secret,
+    new_secret,
+    probe_store,
+    protected,
+)
 
 if TYPE_CHECKING:
     from notebook_launcher.launcher.plan import LaunchPlan
@@ -43,12 +60,38 @@ _C10D_DEFAULT_PORT = 29400
 _WORKER_STORE_KEY = "notebook_launcher/worker_store"
 _CLOSING_KEY = "notebook_launcher/closing"
 _DEFAULT_JOIN_TIMEOUT_S = 600.0
-_CONNECT_TRY_S = 5.0
 _RETRY_S = 0.2
+_PROBE_S = 2.0
+_FIRST_WAIT_LINE_S = 1.0  # a peer that comes at once is not worth a line
+_WAIT_LINE_EVERY_S = 5.0
+# The environment variable every machine of a launch may read its shared secret from.
+SECRET_ENV = "NOTEBOOK_LAUNCHER_RDZV_SECRET"
+# What every machine of a launch must agree on; the rendezvous refuses a launch otherwise.
+AGREED = ("num_nodes", "num_processes", "mixed_precision", "function")
 
 
-class RendezvousError(LaunchError):
-    """The machines of a multi-node launch could not meet."""
+Emit = Callable[[LaunchEvent], None]
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _releasing_stores(method: _Method) -> _Method:
+    """A store held by a frame of a raised error's traceback stays open, and keeps its port,
+    for as long as the notebook keeps the error (``sys.last_value``): let go of them."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except BaseException as error:
+            seen: set[int] = set()
+            link: BaseException | None = error
+            while link is not None and id(link) not in seen:
+                seen.add(id(link))
+                traceback.clear_frames(link.__traceback__)
+                link = link.__cause__ or link.__context__
+            raise
+
+    return cast(_Method, wrapper)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +110,17 @@ class RendezvousConfig:
         value = self.conf.get("join_timeout", self.conf.get("timeout", _DEFAULT_JOIN_TIMEOUT_S))
         return float(value)
 
+    @property
+    def secret(self) -> str | None:
+        """The value the machines share, from rdzv_conf['secret'] or the environment."""
+        value = self.conf.get("secret") or os.environ.get(SECRET_ENV) or None
+        if value is not None and not isinstance(value, str):
+            raise LaunchConfigError(
+                f"rdzv_conf['secret'] must be a string every machine of the launch shares; "
+                f"got {type(value).__name__}."
+            )
+        return value
+
 
 @dataclasses.dataclass
 class Round:
@@ -75,6 +129,7 @@ class Round:
     master_addr: str  # the worker store the ranks connect to
     master_port: int
     worker_store: RendezvousStore | None  # hosted by this kernel for this round
+    secret: str | None = None  # every key the ranks use lives under it
 
     def close(self) -> None:
         if self.worker_store is not None:
@@ -95,8 +150,8 @@ class LocalRendezvous:
     def next_round(self, attempt: int) -> Round:
         listener = self._listener or bind_listener(self._master_addr, self._port)
         self._listener = None
-        store = RendezvousStore(listener, self._world_size)
-        return Round(0, 1, self._master_addr, store.port, store)
+        store = RendezvousStore(listener, self._world_size, new_secret())
+        return Round(0, 1, self._master_addr, store.port, store, store.secret)
 
     def finish(self) -> None:
         pass
@@ -107,69 +162,149 @@ class LocalRendezvous:
             self._listener = None
 
 
+class _Clock:
+    """The rendezvous's limit: join_timeout, or what is left of the launch's timeout=."""
+
+    def __init__(self, join_timeout_s: float, launch_deadline: float | None, launch_timeout_s: float | None) -> None:
+        self.started = time.monotonic()
+        self._join = (self.started + join_timeout_s, f"join_timeout={join_timeout_s:g}s")
+        self._launch = (
+            (launch_deadline, f"timeout={launch_timeout_s:g}s (the launch's limit, rendezvous included)")
+            if launch_deadline is not None else None
+        )
+
+    def _limit(self) -> tuple[float, str]:
+        if self._launch is not None and self._launch[0] < self._join[0]:
+            return self._launch
+        return self._join
+
+    @property
+    def words(self) -> str:
+        return self._limit()[1]
+
+    def remaining(self) -> float:
+        return self._limit()[0] - time.monotonic()
+
+    def limit_s(self) -> float:
+        return self._limit()[0] - self.started
+
+    def waited(self) -> float:
+        return time.monotonic() - self.started
+
+    def restart(self) -> None:
+        """Each round has its own join_timeout; the launch's deadline stays."""
+        join_s = self._join[0] - self.started
+        self.started = time.monotonic()
+        self._join = (self.started + join_s, self._join[1])
+
+
 class NodeRendezvous:
     """Several machines, through torch.distributed's rendezvous (static or c10d)."""
 
-    def __init__(self, config: RendezvousConfig, master_addr: str, port: int | None, nproc: int) -> None:
+    @_releasing_stores
+    def __init__(
+        self,
+        config: RendezvousConfig,
+        master_addr: str,
+        port: int | None,
+        nproc: int,
+        *,
+        fingerprint: dict[str, Any] | None = None,
+        deadline: float | None = None,
+        timeout_s: float | None = None,
+        emit: Emit | None = None,
+    ) -> None:
         self._config = config
         self._nproc = nproc
         default_port = _C10D_DEFAULT_PORT if config.backend == "c10d" else _STATIC_DEFAULT_PORT
         endpoint = config.endpoint or f"{_bracket(master_addr)}:{port or default_port}"
         self._host, self._port = parse_endpoint(endpoint, default_port)
         self._endpoint = endpoint
+        if config.endpoint:
+            self._source = f"rdzv_endpoint={config.endpoint!r}"
+        elif port:
+            self._source = f"use_port={port}"
+        else:
+            self._source = f"master_addr={master_addr!r} with the default port {default_port}"
+        # Without a shared secret the keys are only set apart from other launches, not hidden.
+        self._secret = derived_secret(config.secret or "", endpoint)
+        self._me = {
+            **(fingerprint or {}), "node_rank": config.node_rank, "num_nodes": config.num_nodes,
+            "num_processes": nproc, "host": socket.gethostname(), "pid": os.getpid(),
+        }
+        self._clock = _Clock(config.join_timeout_s, deadline, timeout_s)
+        self._emit = emit
+        self._last_line = -_WAIT_LINE_EVERY_S
         self._hosting = False
         self._store: Any = self._open_store()
+        self._keys: Any = protected(self._store, self._secret)
         self._handler: Any = None
         if config.backend == "c10d":
-            self._handler = _dynamic_handler(config, self._store, self._host)
+            self._handler = _dynamic_handler(config, self._keys, self._host, self._clock.limit_s())
+
+    # the rendezvous store --------------------------------------------------------------
 
     def _open_store(self) -> Any:
         """Host the rendezvous store, or connect to the one hosted for *this* launch.
 
-        A store that says it is closing belongs to the previous launch (its host has not
-        released it yet): wait for the new one.
+        Only what may succeed later is tried again: a store not there yet, or one that
+        says it is closing (the previous launch's, not yet released by its host). A port
+        held by another program is final.
         """
         from torch.distributed import TCPStore
 
         config = self._config
-        deadline = time.monotonic() + config.join_timeout_s
         may_host = self._should_host()
         while True:
             if may_host is not False:
                 try:
-                    listener = bind_listener(self._host, self._port)
-                except LaunchConfigError:
-                    # c10d: another kernel on this machine hosts it already (torch's own rule).
-                    if may_host is True and time.monotonic() > deadline:
+                    listener = bind_listener(self._host, self._port, source=self._source)
+                except PortInUseError:
+                    if may_host is True:
                         raise
+                    # c10d: another kernel on this machine may host it already (torch's own rule).
                 else:
                     self._hosting = True
                     return TCPStore(
                         self._host, self._port, None, is_master=True,
-                        timeout=timedelta(seconds=config.join_timeout_s), wait_for_workers=False,
-                        master_listen_fd=listener.detach(), use_libuv=True,
+                        timeout=timedelta(seconds=max(1.0, self._clock.limit_s())),
+                        wait_for_workers=False, master_listen_fd=listener.detach(), use_libuv=True,
                     )
-                if may_host is True:
-                    time.sleep(_RETRY_S)
-                    continue
-            remaining = deadline - time.monotonic()
-            try:
-                store = TCPStore(
-                    self._host, self._port, None, is_master=False,
-                    timeout=timedelta(seconds=max(0.1, min(remaining, _CONNECT_TRY_S))),
-                )
-                if not store.check([_CLOSING_KEY]):
-                    return store
-                error: Exception = RuntimeError("only the previous launch's store answered")
-            except Exception as failed:
-                error = failed
-            if time.monotonic() > deadline:
+            found = probe_store(self._host, self._port, max(0.1, min(_PROBE_S, self._clock.remaining())))
+            if found == "other":
                 raise RendezvousError(
+                    f"node_rank={config.node_rank}: {self._source}: the program listening on "
+                    f"{self._host}:{self._port} is not a rendezvous store (it does not answer as "
+                    "torch's TCPStore). Point rdzv_endpoint at the machine that hosts the "
+                    "launch's rendezvous, or end the program that holds the port."
+                )
+            if found == "store":
+                state = "only the previous launch's store answered; it is closing"
+                try:
+                    store = TCPStore(
+                        self._host, self._port, None, is_master=False,
+                        timeout=timedelta(seconds=max(1.0, self._clock.limit_s())),
+                    )
+                    if not protected(store, self._secret).check([_CLOSING_KEY]):
+                        return store
+                except Exception:
+                    pass
+            else:
+                state = "nothing listens there yet"
+            if self._clock.remaining() <= 0:
+                hint = (
+                    "Start the launch on the machine that hosts it too (node_rank=0 for "
+                    "'static'), and check that the address and port are reachable from here."
+                )
+                raise RendezvousTimeoutError(
                     f"node_rank={config.node_rank} could not reach the rendezvous store at "
-                    f"{self._endpoint} within {config.join_timeout_s:g}s: {error}. Start the "
-                    "launch on the machine that hosts it too (node_rank=0 for 'static'), and "
-                    "check that the address and port are reachable from here."
-                ) from error
+                    f"{self._endpoint} within {self._clock.words} ({state}). {hint}"
+                )
+            self._waiting(
+                "the rendezvous store", (), (),
+                f"node_rank={config.node_rank} waits for the rendezvous store at {self._endpoint} "
+                f"({state}; node_rank=0 hosts it)",
+            )
             time.sleep(_RETRY_S)
 
     def _should_host(self) -> bool | None:
@@ -181,21 +316,47 @@ class NodeRendezvous:
             return _truthy(is_host)
         return None if _is_local_address(self._host) else False
 
+    def _waiting(self, what: str, joined: tuple[int, ...], missing: tuple[int, ...], line: str) -> None:
+        waited = self._clock.waited()
+        if self._emit is None or waited < _FIRST_WAIT_LINE_S or waited - self._last_line < _WAIT_LINE_EVERY_S:
+            return
+        self._last_line = waited
+        self._emit(RendezvousWaiting(
+            what, joined, missing, waited, self._clock.limit_s(),
+            f"{line}, {waited:.0f}s of {self._clock.words}",
+        ))
+
+    # each round -----------------------------------------------------------------------
+
+    @_releasing_stores
     def next_round(self, attempt: int) -> Round:
         from torch.distributed import PrefixStore
 
         config = self._config
+        if attempt > 0:
+            self._clock.restart()
+            self._last_line = -_WAIT_LINE_EVERY_S
         if self._handler is not None:
-            with _no_shared_store_server():
-                info = self._handler.next_rendezvous()
+            announced = f"{config.run_id}/attempt{attempt}/machines"
+            self._keys.append(announced, json.dumps(self._me) + "\n")
+            self._refuse_disagreement(_lines(self._keys.get(announced)))
+            try:
+                with _no_shared_store_server():
+                    info = self._handler.next_rendezvous()
+            except LaunchError:
+                raise
+            except Exception as error:
+                raise self._c10d_failure(error, announced) from error
             group_rank, num_nodes, store = info.rank, info.world_size, info.store
         else:
             group_rank, num_nodes = config.node_rank, config.num_nodes
-            store = PrefixStore(f"{config.run_id}/round{attempt}", self._store)
+            store = PrefixStore(f"{config.run_id}/round{attempt}", self._keys)
+        self._meet(store, group_rank, num_nodes)
+        secret = derived_secret(self._secret, config.run_id, "workers", str(attempt))
         worker_store = None
         if group_rank == 0:
             listener = bind_listener(self._worker_host(), None)
-            worker_store = RendezvousStore(listener, num_nodes * self._nproc)
+            worker_store = RendezvousStore(listener, num_nodes * self._nproc, secret)
             store.set(_WORKER_STORE_KEY, f"{worker_store.address} {worker_store.port}")
         try:
             address, port = store.get(_WORKER_STORE_KEY).decode().rsplit(" ", 1)
@@ -203,11 +364,80 @@ class NodeRendezvous:
             if worker_store is not None:
                 worker_store.close()
             raise RendezvousError(
-                f"node_rank={config.node_rank}: the machine of group rank 0 never published "
-                f"the ranks' store within {config.join_timeout_s:g}s ({error}). Check that every "
-                f"machine launched with num_nodes={config.num_nodes} and rdzv_id={config.run_id!r}."
+                f"node_rank={config.node_rank}: the machine of group rank 0 joined but never "
+                f"published the ranks' store ({type(error).__name__}: {error}). It may have "
+                "stopped; look at its output."
             ) from error
-        return Round(group_rank, num_nodes, address, int(port), worker_store)
+        return Round(group_rank, num_nodes, address, int(port), worker_store, secret)
+
+    def _meet(self, store: Any, group_rank: int, num_nodes: int) -> None:
+        """Wait until every machine of the round said who it is; refuse disagreement."""
+        config = self._config
+        if store.add(f"claimed/{group_rank}", 1) > 1:
+            raise RendezvousError(
+                f"node_rank={group_rank} is taken: another machine of rdzv_id={config.run_id!r} "
+                f"joined with node_rank={group_rank} too. Give each machine its own node_rank, "
+                f"from 0 to {config.num_nodes - 1}."
+            )
+        store.set(f"machine/{group_rank}", json.dumps({**self._me, "group_rank": group_rank}))
+        while True:
+            machines = [
+                json.loads(store.get(f"machine/{r}")) for r in range(num_nodes)
+                if store.check([f"machine/{r}"])
+            ]
+            self._refuse_disagreement(machines)
+            joined = tuple(m["group_rank"] for m in machines)
+            missing = tuple(r for r in range(num_nodes) if r not in joined)
+            if not missing:
+                return
+            names = ", ".join(str(r) for r in missing)
+            if self._clock.remaining() <= 0:
+                raise RendezvousTimeoutError(
+                    f"node_rank={config.node_rank}: {len(joined)} of num_nodes={num_nodes} "
+                    f"machines joined the rendezvous at {self._endpoint} (rdzv_id="
+                    f"{config.run_id!r}) within {self._clock.words}: joined "
+                    f"{_describe(machines)}; node_rank {names} did not. Start the launch on "
+                    f"the missing machine(s) with the same rdzv_endpoint and rdzv_id, and check "
+                    f"that they reach {self._endpoint}."
+                )
+            self._waiting(
+                "machines", joined, missing,
+                f"node_rank={config.node_rank} waits for node_rank {names} at {self._endpoint} "
+                f"({len(joined)} of {num_nodes} machines joined)",
+            )
+            time.sleep(_RETRY_S)
+
+    def _refuse_disagreement(self, machines: list[dict[str, Any]]) -> None:
+        me = self._me
+        everyone = list(machines)
+        if not any(m["pid"] == me["pid"] and m["host"] == me["host"] for m in everyone):
+            everyone.append(me)
+        everyone.sort(key=lambda m: (m["node_rank"], m["host"], m["pid"]))
+        for name in AGREED:
+            if name in me and len({repr(m.get(name)) for m in everyone}) > 1:
+                said = ", ".join(
+                    f"node_rank={m['node_rank']} ({m['host']}, pid {m['pid']}) has {name}={m.get(name)!r}"
+                    for m in everyone
+                )
+                raise RendezvousError(
+                    f"the machines of rdzv_id={self._config.run_id!r} disagree on {name}: {said}. "
+                    f"Launch every machine with the same {name}."
+                )
+
+    def _c10d_failure(self, error: Exception, announced: str) -> RendezvousError:
+        config = self._config
+        machines = _lines(self._keys.get(announced)) if self._keys.check([announced]) else [self._me]
+        cause = type(error).__name__ + (f": {error}" if str(error) else "")
+        timed_out = "Timeout" in type(error).__name__
+        kind = RendezvousTimeoutError if timed_out else RendezvousError
+        what = f"did not complete within {self._clock.words}" if timed_out else "failed"
+        return kind(
+            f"node_rank={config.node_rank}: the c10d rendezvous at {self._endpoint} (rdzv_id="
+            f"{config.run_id!r}) {what} ({cause}): {len(machines)} of num_nodes="
+            f"{config.num_nodes} machines joined: {_describe(machines)}. Start the launch on "
+            "every machine with rdzv_backend='c10d', the same rdzv_endpoint, rdzv_id and "
+            f"num_nodes, and check that each reaches {self._endpoint}."
+        )
 
     def _worker_host(self) -> str:
         local = self._config.conf.get("local_addr")
@@ -215,6 +445,7 @@ class NodeRendezvous:
             return str(local)
         return self._host if _is_local_address(self._host) else socket.getfqdn()
 
+    @_releasing_stores
     def finish(self) -> None:
         """Wait for every machine to finish before the store they share goes away."""
         from torch.distributed.elastic.utils.store import barrier
@@ -226,19 +457,19 @@ class NodeRendezvous:
                 self._handler.shutdown()
             self._handler = None
         try:
-            barrier(self._store, config.num_nodes, f"{config.run_id}/exit",
+            barrier(self._keys, config.num_nodes, f"{config.run_id}/exit",
                     barrier_timeout=config.join_timeout_s)
             # The host marks its store as closing before anyone leaves, so that a machine
             # already starting its next launch never mistakes this store for the new one;
             # and it keeps the store alive until every other machine is through.
             left = f"{config.run_id}/exit/left"
             if not self._hosting:
-                self._store.wait([_CLOSING_KEY])
-                self._store.add(left, 1)
+                self._keys.wait([_CLOSING_KEY])
+                self._keys.add(left, 1)
                 return
-            self._store.set(_CLOSING_KEY, "1")
+            self._keys.set(_CLOSING_KEY, "1")
             deadline = time.monotonic() + config.join_timeout_s
-            while self._store.add(left, 0) < config.num_nodes - 1:
+            while self._keys.add(left, 0) < config.num_nodes - 1:
                 if time.monotonic() > deadline:
                     raise TimeoutError("machines still leaving")
                 time.sleep(0.05)
@@ -256,11 +487,21 @@ class NodeRendezvous:
             self._handler = None
         if self._hosting and self._store is not None:
             with contextlib.suppress(Exception):
-                self._store.set(_CLOSING_KEY, "1")
-        self._store = None  # a hosted store stops listening when released
+                self._keys.set(_CLOSING_KEY, "1")
+        self._store = self._keys = None  # a hosted store stops listening when released
 
 
 Rendezvous = Union[LocalRendezvous, NodeRendezvous]
+
+
+def _lines(data: bytes) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+
+
+def _describe(machines: list[dict[str, Any]]) -> str:
+    return ", ".join(
+        f"node_rank={m.get('group_rank', m['node_rank'])} ({m['host']}, pid {m['pid']})" for m in machines
+    ) or "none"
 
 
 def config_of(plan: LaunchPlan) -> RendezvousConfig | None:
@@ -275,11 +516,25 @@ def config_of(plan: LaunchPlan) -> RendezvousConfig | None:
 
 
 def open_rendezvous(
-    config: RendezvousConfig | None, master_addr: str, port: int | None, nproc: int
+    config: RendezvousConfig | None,
+    master_addr: str,
+    port: int | None,
+    nproc: int,
+    *,
+    fingerprint: dict[str, Any] | None = None,
+    deadline: float | None = None,
+    timeout_s: float | None = None,
+    emit: Emit | None = None,
 ) -> Rendezvous:
+    """Where this launch's ranks meet. ``deadline`` (time.monotonic()) is the launch's
+    ``timeout=``, which bounds the rendezvous too; ``fingerprint`` is what every machine
+    must agree on; ``emit`` receives :class:`RendezvousWaiting` while it waits."""
     if config is None:
         return LocalRendezvous(master_addr, port, nproc)
-    return NodeRendezvous(config, master_addr, port, nproc)
+    return NodeRendezvous(
+        config, master_addr, port, nproc, fingerprint=fingerprint, deadline=deadline,
+        timeout_s=timeout_s, emit=emit,
+    )
 
 
 def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
@@ -294,7 +549,7 @@ def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
         ) from error
 
 
-def _dynamic_handler(config: RendezvousConfig, store: Any, host: str) -> Any:
+def _dynamic_handler(config: RendezvousConfig, store: Any, host: str, join_s: float) -> Any:
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
         DynamicRendezvousHandler,
@@ -313,7 +568,7 @@ def _dynamic_handler(config: RendezvousConfig, store: Any, host: str) -> Any:
         max_nodes=config.num_nodes,
         local_addr=config.conf.get("local_addr") or (host if _is_local_address(host) else None),
         timeout=RendezvousTimeout(
-            join=timedelta(seconds=config.join_timeout_s),
+            join=timedelta(seconds=max(1.0, join_s)),
             last_call=seconds("last_call_timeout"),
             close=seconds("close_timeout"),
         ),

@@ -71,9 +71,14 @@ def rank_failed_error(outcome: Outcome) -> RankFailedError:
 def _left_early(outcome: Outcome, root: RankFailure) -> str | None:
     """Ranks that had already ended normally when the first one failed: often the cause
     of the failure (a peer waiting in a collective sees its connection close)."""
+    # Which end the kernel noticed first is a race: a peer's closed connection fails the
+    # rank waiting in a collective at once, often before the kernel has seen the peer's own
+    # end. A rank that returned ended by itself (the teardown's signals give no result), so
+    # where the first failure is a closed connection, every rank that returned came first.
+    closed = _is_closed_connection(root)
     gone = [
         rank for rank, result in sorted(outcome.results.items())
-        if outcome.finished_at.get(rank, root.time) <= root.time
+        if closed or outcome.finished_at.get(rank, root.time) <= root.time
     ]
     if not gone:
         return None
@@ -88,6 +93,15 @@ def _left_early(outcome: Outcome, root: RankFailure) -> str | None:
         "them fail with a closed connection. Make every rank run the same collectives before "
         "returning."
     )
+
+
+# What torch's gloo and TCPStore say when the other end of a connection has gone.
+_CLOSED_CONNECTION = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                      "Connection was likely closed")
+
+
+def _is_closed_connection(failure: RankFailure) -> bool:
+    return any(words in failure.message for words in _CLOSED_CONNECTION)
 
 
 def _sentence(text: str) -> str:

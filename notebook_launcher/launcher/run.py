@@ -18,7 +18,7 @@ from types import TracebackType
 from typing import Any, Callable
 
 from notebook_launcher import rank_env, registry
-from notebook_launcher.launcher import backends, elastic, rendezvous, report
+from notebook_launcher.launcher import backends, elastic, rendezvous, report, store
 from notebook_launcher.launcher.events import (
     GroupRestarting,
     LaunchEvent,
@@ -68,31 +68,49 @@ def execute(
     payload = backend.prepare_payload(plan, (function, args, kwargs))  # refuses what cannot travel
     emit = Emitter(observers)
     try:
-        return _execute(plan, backend, payload, emit)
+        return _execute(plan, backend, payload, emit, _fingerprint(plan, function))
     except KeyboardInterrupt:
         # Every rank has been ended by now; the traceback ends here, not in the selector
         # the interrupt happened to land in.
         raise KeyboardInterrupt("the launch was stopped; every rank has been ended") from None
 
 
-def _execute(plan: LaunchPlan, backend: Any, payload: Any, emit: Emitter) -> list[Any]:
+def _execute(
+    plan: LaunchPlan, backend: Any, payload: Any, emit: Emitter, fingerprint: dict[str, Any]
+) -> list[Any]:
     launch_id = uuid.uuid4().hex[:12]
     started = time.monotonic()
     deadline = started + plan.timeout if plan.timeout is not None else None
     with contextlib.ExitStack() as cleanup:
-        meeting = open_rendezvous(rendezvous.config_of(plan), plan.master_addr, plan.port,
-                                  plan.num_processes)
+        meeting = open_rendezvous(
+            rendezvous.config_of(plan), plan.master_addr, plan.port, plan.num_processes,
+            fingerprint=fingerprint, deadline=deadline, timeout_s=plan.timeout,
+            emit=emit,
+        )
         cleanup.callback(meeting.close)
         emit(LaunchStarted(plan.num_processes, plan.start.method, plan.accelerator,
-                           plan.mixed_precision, plan.start.fallback_reason))
+                           plan.mixed_precision, plan.start.fallback_reason,
+                           first_rank=_first_rank(plan)))
         cleanup.push(_FinishedOnError(emit, started))
         attempt = 0
+        first_failure = None
         while True:
-            outcome = _run_attempt(plan, backend, payload, meeting, attempt, launch_id, emit, deadline)
+            try:
+                outcome = _run_attempt(plan, backend, payload, meeting, attempt, launch_id, emit, deadline)
+            except rendezvous.RendezvousError as error:
+                if first_failure is None:
+                    raise
+                # The restart could not meet (a peer is gone): keep what started it all.
+                raise type(error)(
+                    f"{error}\nThis machine was restarting ({attempt} of max_restarts="
+                    f"{plan.max_restarts}) after: rank {first_failure.rank} failed with "
+                    f"{elastic.describe(first_failure)}."
+                ) from error
             if not elastic.should_restart(outcome, attempt, plan.max_restarts):
                 break
             attempt += 1
             failure = elastic.root_failure(outcome)
+            first_failure = first_failure or failure
             emit(GroupRestarting(attempt, plan.max_restarts, failure,
                                  elastic.restart_line(attempt, plan.max_restarts, failure)))
         if not (outcome.failures or outcome.timed_out_ranks or outcome.stopped_from_outside):
@@ -123,6 +141,22 @@ def _run_attempt(
         cleanup.callback(record.close)
         return group.run(deadline=deadline, stop_requested=record.stop_requested)
     raise AssertionError("unreachable")  # for type checkers: the with block returns
+
+
+def _first_rank(plan: LaunchPlan) -> int | None:
+    """This machine's first global rank, where it is known before the rendezvous."""
+    if plan.num_nodes > 1 and plan.rdzv_backend == "c10d":
+        return None  # the c10d rendezvous assigns the group ranks
+    return plan.node_rank * plan.num_processes
+
+
+def _fingerprint(plan: LaunchPlan, function: Callable[..., Any]) -> dict[str, Any]:
+    """What every machine of a launch must agree on, besides the counts."""
+    name = getattr(function, "__qualname__", None) or type(function).__qualname__
+    return {
+        "mixed_precision": plan.mixed_precision,
+        "function": f"{getattr(function, '__module__', None) or '?'}.{name}",
+    }
 
 
 class _FinishedOnError:
@@ -178,6 +212,8 @@ def rank_specs(
             environ=environ,
         )
         rank_environ.update(elastic_vars)
+        if round_.secret is not None:
+            rank_environ[store.SECRET_ENV] = round_.secret
         specs.append(RankSpec(
             rank=rank,
             local_rank=local_rank,

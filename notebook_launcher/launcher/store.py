@@ -4,20 +4,45 @@ Ranks connect to it as torchrun's ranks connect to their agent's store
 (``TORCHELASTIC_USE_AGENT_STORE``). Holding it here means the port is bound before any
 rank starts (no race for a "free" port, no "address in use" on a quick re-run), it
 listens on the given address only (loopback by default), and it is gone with the launch.
+
+torch's TCPStore has no authentication: any process that reaches the port may read and
+write any key it can name. So every key of a launch lives under a per-launch secret
+(:func:`new_secret`): the kernel hands the secret to its ranks with their other settings
+(never on the command line), and each rank reaches the store only through
+:func:`protect_env_rendezvous`, which puts the secret in front of every key torch's
+``env://`` rendezvous and the process group use. A process without the secret can
+connect, but every key it can name is outside the launch's keys: it can neither read the
+ranks' addresses nor write a key the launch reads.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
+import importlib
+import secrets
 import socket
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 from notebook_launcher.errors import LaunchConfigError
 
+# The environment variable through which a rank receives its launch's store secret.
+SECRET_ENV = "NOTEBOOK_LAUNCHER_STORE_SECRET"
 
-def bind_listener(address: str, port: int | None) -> socket.socket:
-    """A listening socket on ``address``: ``port`` if given, else one the OS picks."""
+
+class PortInUseError(LaunchConfigError):
+    """The port a store must listen on is held by another process."""
+
+
+def bind_listener(address: str, port: int | None, *, source: str = "use_port") -> socket.socket:
+    """A listening socket on ``address``: ``port`` if given, else one the OS picks.
+
+    ``source`` names the argument the port came from (``use_port=29500``,
+    ``rdzv_endpoint='127.0.0.1:29500'``), so that the message speaks of what the user
+    wrote.
+    """
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     # A port whose previous store just closed lingers in TIME_WAIT; a re-run may take it.
@@ -29,9 +54,15 @@ def bind_listener(address: str, port: int | None) -> socket.socket:
     except OSError as error:
         listener.close()
         if error.errno == errno.EADDRINUSE:
-            raise LaunchConfigError(
-                f"use_port={port}: port {port} on {address} is already in use by another "
-                "process. Leave use_port unset to get a free port, or pick another one."
+            where = f"use_port={port}" if source == "use_port" else source
+            fix = (
+                "Leave use_port unset to get a free port, or pick another one."
+                if source == "use_port"
+                else "Pick a free port for it, or end the program that holds this one "
+                "(`ss -ltnp` names it)."
+            )
+            raise PortInUseError(
+                f"{where}: port {port} on {address} is already in use by another process. {fix}"
             ) from error
         raise LaunchConfigError(
             f"cannot listen on {address}:{port or 0} for the rendezvous store: {error}. "
@@ -40,13 +71,64 @@ def bind_listener(address: str, port: int | None) -> socket.socket:
     return listener
 
 
-class RendezvousStore:
-    """A TCPStore server on a socket we bound, closed with :meth:`close`."""
+def new_secret() -> str:
+    """A fresh secret for one launch (or one session): 128 random bits."""
+    return secrets.token_hex(16)
 
-    def __init__(self, listener: socket.socket, world_size: int) -> None:
+
+def derived_secret(*parts: str) -> str:
+    """A secret every machine of a launch computes alike from what they share."""
+    return hashlib.sha256("\0".join(("notebook_launcher", *parts)).encode()).hexdigest()[:32]
+
+
+def secret_prefix(secret: str) -> str:
+    return f"nl-{secret}/"
+
+
+def protected(store: Any, secret: str) -> Any:
+    """``store`` with every key under ``secret``: what the launch reads and writes."""
+    from torch.distributed import PrefixStore
+
+    return PrefixStore(secret_prefix(secret), store)
+
+
+def protect_env_rendezvous(secret: str | None) -> None:
+    """In a rank: make torch's ``env://`` rendezvous (``init_process_group``'s default)
+    use only keys under ``secret``.
+
+    torch allows one handler per scheme and no replacement through its public function,
+    so the entry of its table is swapped here; the original handler still connects.
+    """
+    if not secret:
+        return
+    # The module, not the function of the same name torch.distributed exports.
+    handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
+    original = handlers["env"]
+    if getattr(original, "_notebook_launcher_secret", None) is not None:
+        original = original._notebook_launcher_original
+
+    def secured(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any) -> Iterator[Any]:
+        store, rank, world_size = next(original(url, timeout=timeout, **kwargs))
+        yield protected(store, secret), rank, world_size
+        raise RuntimeError("Unable to perform re-rendezvous using env:// method")
+
+    secured._notebook_launcher_secret = secret  # type: ignore[attr-defined]
+    secured._notebook_launcher_original = original  # type: ignore[attr-defined]
+    handlers["env"] = secured
+
+
+class RendezvousStore:
+    """A TCPStore server on a socket we bound, closed with :meth:`close`.
+
+    ``secret`` is the launch's: give it to every rank (``SECRET_ENV``), which then uses
+    only keys under it.
+    """
+
+    def __init__(self, listener: socket.socket, world_size: int, secret: str | None = None) -> None:
         from torch.distributed import TCPStore
 
         self.address, self.port = listener.getsockname()[:2]
+        self.secret = secret or new_secret()
         self._store: Any = TCPStore(
             self.address,
             self.port,
@@ -60,3 +142,36 @@ class RendezvousStore:
 
     def close(self) -> None:
         self._store = None  # the server stops and frees its port when the store is released
+
+
+# The first bytes of torch's TCPStore protocol: a client validates itself (query 0, the
+# magic number) and pings (query 13) with a number the server sends back.
+_VALIDATE = bytes([0]) + (0x3C85F7CE).to_bytes(4, "little")
+_PING = 13
+
+
+def probe_store(host: str, port: int, timeout: float = 2.0) -> str:
+    """What listens at ``host:port``: ``"store"`` (a TCPStore answered), ``"nothing"``
+    (refused or unreachable: it may come later) or ``"other"`` (a program that does not
+    speak the store's protocol, which torch's client would wait on without end).
+
+    Asked in Python, so an absent host costs no C++ stack trace per try.
+    """
+    nonce = secrets.randbits(31).to_bytes(4, "little")
+    try:
+        connection = socket.create_connection((host, port), timeout=timeout)
+    except OSError:
+        return "nothing"
+    answer = b""
+    with connection:
+        try:
+            connection.settimeout(timeout)
+            connection.sendall(_VALIDATE + bytes([_PING]) + nonce)
+            while len(answer) < 4:
+                chunk = connection.recv(4 - len(answer))
+                if not chunk:
+                    break
+                answer += chunk
+        except OSError:
+            pass
+    return "store" if answer == nonce else "other"

@@ -189,14 +189,16 @@ class LaunchRecord:
             self.accelerator, self.mixed_precision = event.accelerator, event.mixed_precision
             self.start_method, self.fallback_reason = event.start_method, event.fallback_reason
             self.started_at = self.now()
-            for rank in range(event.num_processes):
-                self._row(rank)
+            if event.first_rank is not None:
+                for rank in range(event.first_rank, event.first_rank + event.num_processes):
+                    self._row(rank)
         elif isinstance(event, LaunchFinished):
             self.outcome, self.elapsed, self.ended_at = event.outcome, event.elapsed, time.time()
             now = self.now()
             for row in self.rows.values():
                 if row.state not in FINAL_STATES:  # an interrupt ends the launch before its ranks
-                    row.state, row.ended_at = "stopped", now
+                    started = row.started_at is not None
+                    row.state, row.ended_at = ("stopped" if started else "not started"), now
             self.rows_version += 1
         else:
             # Events this record does not know (a restart, waiting for machines) are shown

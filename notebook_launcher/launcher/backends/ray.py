@@ -21,6 +21,7 @@ import os
 import queue
 import selectors
 import signal
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -245,6 +246,7 @@ class RayBackend(Backend):
     ) -> list[RankControl]:
         ray = _connect(plan)
         self._started_cluster = _started_here
+        _check_cluster_can_hold(ray, plan, len(specs))
         actor_class = ray.remote(RankHost).options(
             num_cpus=1,
             num_gpus=1 if plan.accelerator == "cuda" else 0,
@@ -260,16 +262,18 @@ class RayBackend(Backend):
                 control._actor.start.remote(spec, payload, target)
                 for control, spec in zip(controls, specs)
             ]
-            ready, pending = ray.wait(started, num_returns=len(started), timeout=_PLACE_TIMEOUT_S)
+            # The cluster can hold them all (checked above): what is missing is held by
+            # other work, which may end; the launch's own timeout= bounds the wait too.
+            wait_s = min(_PLACE_TIMEOUT_S, plan.timeout or _PLACE_TIMEOUT_S)
+            ready, pending = ray.wait(started, num_returns=len(started), timeout=wait_s)
             if pending:
-                free = ray.available_resources()
+                total, free = ray.cluster_resources(), ray.available_resources()
                 raise RayClusterError(
                     f"Ray could not place {len(pending)} of {len(specs)} ranks within "
-                    f"{_PLACE_TIMEOUT_S:g}s: each needs 1 CPU"
-                    + (" and 1 GPU" if plan.accelerator == "cuda" else "")
-                    + f", and the cluster has {free.get('CPU', 0):g} CPU(s) and "
-                    f"{free.get('GPU', 0):g} GPU(s) free. Ask for fewer ranks, or add machines "
-                    "to the cluster."
+                    f"{wait_s:g}s: each needs {_needs(plan)}; the cluster has "
+                    f"{total.get('CPU', 0):g} CPU(s) in all and {free.get('CPU', 0):g} free now, "
+                    "the rest held by other work or by this launch's ranks placed so far. Wait "
+                    "for that work to end, ask for fewer ranks, or add machines to the cluster."
                 )
             ray.get(ready)  # a rank that could not even start raises here
             for control in controls:
@@ -291,6 +295,25 @@ class RayBackend(Backend):
 
 
 _started_here = False
+
+
+def _needs(plan: LaunchPlan) -> str:
+    return "1 CPU and 1 GPU" if plan.accelerator == "cuda" else "1 CPU"
+
+
+def _check_cluster_can_hold(ray: Any, plan: LaunchPlan, ranks: int) -> None:
+    """Refuse at once what the whole cluster could never place, however long it waited."""
+    total = ray.cluster_resources()
+    cpus, gpus = total.get("CPU", 0), total.get("GPU", 0)
+    fit = int(min(cpus, gpus) if plan.accelerator == "cuda" else cpus)
+    if ranks <= fit:
+        return
+    nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+    raise RayClusterError(
+        f"Ray cannot place {ranks} ranks: each needs {_needs(plan)}, and the cluster has "
+        f"{cpus:g} CPU(s) and {gpus:g} GPU(s) in all, on {nodes} node(s). Ask for at most "
+        f"{fit} rank(s), or add machines to the cluster."
+    )
 
 
 def _connect(plan: LaunchPlan) -> Any:
@@ -320,8 +343,16 @@ def _connect(plan: LaunchPlan) -> Any:
         else:
             from notebook_launcher.hardware import available_cpu_count
 
+            cores = available_cpu_count()
+            if plan.num_processes > cores:
+                print(
+                    f"notebook_launcher: the local Ray cluster started for this launch counts "
+                    f"{plan.num_processes} CPUs for {plan.num_processes} ranks, but this machine "
+                    f"has {cores} core(s): the ranks share them.",
+                    file=sys.stderr,
+                )
             ray.init(
-                num_cpus=max(available_cpu_count(), plan.num_processes),
+                num_cpus=max(cores, plan.num_processes),
                 _node_ip_address=plan.master_addr if _is_loopback(plan.master_addr) else None,
                 **options,
             )
