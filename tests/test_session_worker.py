@@ -117,7 +117,7 @@ def test_the_sealed_store_hides_names_and_values_and_refuses_a_forged_value():
 
     import torch.distributed as dist
 
-    from notebook_launcher.session.sealed_store import ForgedStoreValue, SealedStore
+    from notebook_launcher.launcher.sealed_store import ForgedStoreValue, SealedStore
 
     inner = dist.HashStore()
     sealed = SealedStore(inner, b"s" * 32, generation=0)
@@ -131,7 +131,7 @@ def test_the_sealed_store_hides_names_and_values_and_refuses_a_forged_value():
     assert not SealedStore(inner, b"s" * 32, generation=1).check(["rank_0"])
     assert not SealedStore(inner, b"t" * 32, generation=0).check(["rank_0"])
     inner.set(name, b"127.0.0.1:1" + b"\0" * 48)
-    with pytest.raises(ForgedStoreValue, match=r"^a rendezvous store value failed its check: a process without the session's secret wrote it"):
+    with pytest.raises(ForgedStoreValue, match=r"^a rendezvous store value failed its check: a process without the secret of this launch or session wrote it"):
         sealed.get("rank_0")
 
 

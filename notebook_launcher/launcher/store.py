@@ -92,6 +92,9 @@ def protected(store: Any, secret: str) -> Any:
     return PrefixStore(secret_prefix(secret), store)
 
 
+_LIVE_STORES: list[Any] = []
+
+
 def protect_env_rendezvous(secret: str | None) -> None:
     """In a rank: make torch's ``env://`` rendezvous (``init_process_group``'s default)
     use only keys under ``secret``.
@@ -108,8 +111,15 @@ def protect_env_rendezvous(secret: str | None) -> None:
         original = original._notebook_launcher_original
 
     def secured(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any) -> Iterator[Any]:
+        from notebook_launcher.launcher.sealed_store import SealedStore
+
         store, rank, world_size = next(original(url, timeout=timeout, **kwargs))
-        yield protected(store, secret), rank, world_size
+        # Sealed, not only prefixed: TCPStore lists its keys to any client (list_keys).
+        sealed = SealedStore(store, secret.encode(), generation=0)
+        # torch keeps only the C++ half of a Store written in Python; the Python half must
+        # live as long as the process group, or its methods become pure virtual calls.
+        _LIVE_STORES.append(sealed)
+        yield sealed, rank, world_size
         raise RuntimeError("Unable to perform re-rendezvous using env:// method")
 
     secured._notebook_launcher_secret = secret  # type: ignore[attr-defined]

@@ -107,12 +107,14 @@ class Worker:
     # The process group -------------------------------------------------------------
 
     def _init_group(self, generation: int) -> None:
-        from notebook_launcher.session.sealed_store import SealedStore
+        from notebook_launcher.launcher.sealed_store import SealedStore
 
         before = _tcp_sockets()
         backend = "nccl" if self.accelerator == "cuda" else "gloo"
+        # Held here too: torch keeps only the C++ half of a Store written in Python.
+        self._sealed_store = SealedStore(self._store, self._secret, generation)
         self._dist.init_process_group(
-            backend, store=SealedStore(self._store, self._secret, generation),
+            backend, store=self._sealed_store,
             rank=self.rank, world_size=self.world_size,
             device_id=self.namespace["device"] if backend == "nccl" else None,
         )

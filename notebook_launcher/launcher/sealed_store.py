@@ -1,4 +1,4 @@
-"""A view of the rendezvous store that only holders of the session's secret can use.
+"""A view of a rendezvous store that only holders of a launch's or session's secret can use.
 
 torch's TCPStore has no authentication, and anyone who can reach its port can list, read
 and write its keys (``list_keys`` included); gloo then trusts the peer addresses it reads
@@ -23,7 +23,7 @@ _TAG_BYTES = 32
 
 
 class ForgedStoreValue(RuntimeError):
-    """A store value that was not written by a process holding the session's secret."""
+    """A store value that was not written by a process holding the secret."""
 
 
 class SealedStore(dist.Store):
@@ -47,9 +47,9 @@ class SealedStore(dist.Store):
         nonce, body, tag = sealed[:_NONCE_BYTES], sealed[_NONCE_BYTES:-_TAG_BYTES], sealed[-_TAG_BYTES:]
         if len(sealed) < _NONCE_BYTES + _TAG_BYTES or not hmac.compare_digest(tag, self._tag(name, nonce, body)):
             raise ForgedStoreValue(
-                "a rendezvous store value failed its check: a process without the session's "
-                "secret wrote it. Another program on this machine is writing to the session's "
-                "store port; the session refused the value."
+                "a rendezvous store value failed its check: a process without the secret of "
+                "this launch or session wrote it. Another program on this machine is writing to the store's "
+                "port; the value was refused, not trusted."
             )
         return _xor(body, self._stream(name, nonce, len(body)))
 
