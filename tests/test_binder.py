@@ -7,6 +7,7 @@ already built in notebook_launcher/labextension, or builds it with the machine's
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -21,12 +22,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.ipynb")) + sorted((ROOT / "examples" / "course").glob("*.ipynb"))
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    tomllib = pytest.importorskip("tomli")
-
-VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+# The one version of the project (the Python build reads it from there too).
+VERSION = json.loads((ROOT / "extension" / "package.json").read_text())["version"]
 
 
 def _run(args: list[str], env: dict[str, str], cwd: Path = ROOT, timeout: float = 900) -> str:
