@@ -45,8 +45,8 @@ if TYPE_CHECKING:
 _READ_WAIT_S = 0.2  # how long one ``read`` call waits for output in the actor
 _PLACE_TIMEOUT_S = 120.0  # Ray could not place the actors (too few CPUs / GPUs free)
 _CHUNK = 1 << 16
-# How long Ray waits for a node it starts to register (its default is seconds): a busy
-# machine can take minutes. Read by Ray's processes from the environment at their start.
+# How long Ray waits for a node it starts to register: a busy machine can take minutes.
+# Ray reads it from the environment when imported and when its processes start.
 _START_WAIT_ENV = "RAY_raylet_start_wait_time_s"
 _START_WAIT_S = "300"
 
