@@ -78,7 +78,8 @@ def cluster():
         processes = ray_processes()
         with contextlib.suppress(Exception):
             ray.shutdown()
-        left = stop_ray_processes(processes + ray_processes())
+        # After a failed start ray.shutdown() has nothing to stop: kill what is there at once.
+        left = stop_ray_processes(processes + ray_processes(), timeout=60 if started else 0)
         shutil.rmtree(temp_dir, ignore_errors=True)
         for name, value in saved.items():
             if value is None:
