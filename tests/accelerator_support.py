@@ -62,7 +62,7 @@ def run_torchrun(
     script: Path,
     *args: str,
     nproc: int = 2,
-    timeout: float = 240,
+    timeout: float = 900,  # a safety net: a case takes seconds alone, up to minutes on a busy machine
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     command = [

@@ -231,7 +231,7 @@ def test_interrupting_run_stops_every_rank_and_exits_130(tmp_path):
             assert line, process.stderr.read() if process.stderr else ""
             waiting += line.endswith("waiting\n")
         process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=60)
+        _, stderr = process.communicate(timeout=600)  # a safety net: it exits in seconds
     finally:
         process.kill()
         process.wait()
@@ -279,7 +279,7 @@ def test_run_started_with_sigint_ignored_can_still_be_interrupted(tmp_path):
         while not process.stdout.readline().endswith("waiting\n"):
             assert process.poll() is None, process.stderr.read() if process.stderr else ""
         process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=120)
+        _, stderr = process.communicate(timeout=600)  # a safety net: it exits in seconds
     finally:
         process.kill()
         process.wait()

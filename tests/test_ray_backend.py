@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -40,28 +41,53 @@ def ray_processes() -> list[psutil.Process]:
     return found
 
 
+# Ray's node start waits seconds by default for its processes to register; a busy machine
+# needs minutes (the launcher sets the same for the clusters it starts).
+START_WAIT = {"RAY_raylet_start_wait_time_s": "300"}
+
+
+def stop_ray_processes(started: list[psutil.Process], timeout: float = 60) -> list[psutil.Process]:
+    """Wait for Ray's processes to end, kill those still there; returns those that had not ended."""
+    _, alive = psutil.wait_procs(started, timeout=timeout)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(alive, timeout=30)
+    return alive
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    """One local cluster for the module (2 CPUs, loopback); the launcher joins it."""
-    saved = {name: os.environ.get(name) for name in RAY_ENV}
-    os.environ.update(RAY_ENV)
+    """One local cluster for the module (2 CPUs, loopback); the launcher joins it. Whatever
+    it started is shut down (and killed if need be), even when the start fails."""
+    saved = {name: os.environ.get(name) for name in {**RAY_ENV, **START_WAIT}}
+    os.environ.update({**RAY_ENV, **START_WAIT})
+    # Ray reads its settings from the environment when imported; this re-reads them.
+    ray._raylet.Config.initialize("")
     temp_dir = tempfile.mkdtemp(prefix="nlray")  # Ray's socket paths must stay under 107 bytes
-    ray.init(
-        num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
-        _temp_dir=temp_dir,
-    )
-    yield ray
-    ray.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    deadline = time.monotonic() + 30
-    while ray_processes() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert ray_processes() == []
+    started = False
+    try:
+        ray.init(
+            num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+            _temp_dir=temp_dir,
+        )
+        started = True
+        yield ray
+    finally:
+        # Taken before the shutdown: workers outlive a raylet that is gone, no longer its children.
+        processes = ray_processes()
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        # After a failed start ray.shutdown() has nothing to stop: kill what is there at once.
+        left = stop_ray_processes(processes + ray_processes(), timeout=60 if started else 0)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    # A failed start has raised already; a cluster that outlived its shutdown is a failure.
+    assert not (started and left), f"Ray processes outlived ray.shutdown(): {left}"
 
 
 def alive_actors() -> list[str]:
@@ -221,7 +247,7 @@ def test_a_local_cluster_started_for_the_launch_is_shut_down(tmp_path):
     env = {**os.environ, **RAY_ENV, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": short}
     env.pop("RAY_ADDRESS", None)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=tmp_path)
+                          timeout=900, env=env, cwd=tmp_path)
     shutil.rmtree(short, ignore_errors=True)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
@@ -251,7 +277,7 @@ def test_ray_ranks_output_and_failure_show_in_the_notebook_cell():
             """
         )
         assert setup.error is None, setup.error
-        cell = kernel.run("notebook_launcher(greet, num_processes=2, backend='ray')", timeout=300)
+        cell = kernel.run("notebook_launcher(greet, num_processes=2, backend='ray')", timeout=900)
         left = kernel.run("import ray; ray.is_initialized()")
     finally:
         kernel.shutdown()
@@ -288,8 +314,8 @@ def test_a_local_rank_crash_is_still_reported_after_ray_ran_in_the_kernel(tmp_pa
     short = tempfile.mkdtemp(prefix="nlray")
     try:
         done = subprocess.run(
-            [sys.executable, str(script), short], capture_output=True, text=True, timeout=300,
-            env={**os.environ, **RAY_ENV, "PYTHONPATH": str(ROOT)}, cwd=tmp_path,
+            [sys.executable, str(script), short], capture_output=True, text=True, timeout=900,
+            env={**os.environ, **RAY_ENV, **START_WAIT, "PYTHONPATH": str(ROOT)}, cwd=tmp_path,
         )
     finally:
         shutil.rmtree(short, ignore_errors=True)

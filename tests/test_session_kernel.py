@@ -70,7 +70,7 @@ def test_a_failure_on_one_rank_while_the_other_waits_in_all_reduce_raises_and_th
         "if rank == 1:\n"
         "    raise RuntimeError('rank 1 lost its data')\n"
         "torch.distributed.all_reduce(t)\n",
-        timeout=60,
+        timeout=600,  # a safety net: it ends in seconds
     )
     assert cell.error["ename"] == "RankFailedError[RuntimeError]"
     assert cell.error["evalue"].startswith("Rank 1 (pid ")
@@ -87,7 +87,7 @@ def test_the_stop_button_interrupts_both_sleeping_ranks_and_the_session_survives
     while seen.stdout.count("sleeping") < 2:
         seen.stdout += kernel.collect(msg_id, until="sleeping").stdout
     kernel.manager.interrupt_kernel()
-    cell = kernel.collect(msg_id, timeout=60)
+    cell = kernel.collect(msg_id, timeout=600)  # a safety net: it ends in seconds
     assert cell.error["ename"] == "KeyboardInterrupt"
     assert "the cell was interrupted on rank(s) 0, 1" in cell.error["evalue"]
     assert run_ok(kernel, "%%distributed\nrank + 1").result == "[rank0]: 1\n[rank1]: 2"
@@ -97,7 +97,7 @@ def wait_until_ended(pid: int) -> None:
     """Until the process is gone or a zombie (the kernel reaps it when it next looks)."""
     try:
         process = psutil.Process(pid)
-        deadline = time.monotonic() + 60  # a safety net only
+        deadline = time.monotonic() + 300  # a safety net only
         while process.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
             time.sleep(0.02)
     except psutil.NoSuchProcess:
@@ -129,7 +129,7 @@ def test_ranks_do_not_outlive_a_killed_kernel():
         everything = psutil.Process(doomed.pid).children(recursive=True)
         assert len(rank_processes(doomed.pid)) == 2
         os.kill(doomed.pid, signal.SIGKILL)
-        _, alive = psutil.wait_procs(everything, timeout=60)  # returns as soon as all are gone
+        _, alive = psutil.wait_procs(everything, timeout=300)  # returns as soon as all are gone
         assert alive == [], f"processes survived their kernel: {alive}"
     finally:
         doomed.shutdown()

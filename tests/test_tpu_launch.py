@@ -17,6 +17,7 @@ from notebook_launcher import (
     notebook_launcher,
 )
 from notebook_launcher.errors import LaunchUnsupportedError
+from notebook_launcher.launcher.events import OutputLine
 
 from .tpu_support import faked_tpu
 
@@ -127,14 +128,26 @@ def test_a_hung_tpu_launch_ends_at_its_timeout(tpu_machine, leak_check):
         notebook_launcher(sleep_forever, timeout=3)
 
 
+class InterruptWhenAllWait:
+    """Presses the stop button (SIGINT to the calling thread) once every rank says it waits."""
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks, self.waiting = ranks, set()
+        self.main = threading.get_ident()
+
+    def on_event(self, event):
+        if isinstance(event, OutputLine) and event.text == "waiting":
+            self.waiting.add(event.rank)
+            if len(self.waiting) == self.ranks:
+                signal.pthread_kill(self.main, signal.SIGINT)
+
+
 @pytest.mark.parametrize("tpu_machine", ["tpu-vm-v4-8"], indirect=True)
 def test_an_interrupt_stops_every_tpu_rank(tpu_machine, leak_check):
-    main = threading.get_ident()
-    timer = threading.Timer(3.0, lambda: signal.pthread_kill(main, signal.SIGINT))
-    timer.start()
+    pressed = InterruptWhenAllWait(4)
     with pytest.raises(KeyboardInterrupt):
-        notebook_launcher(sleep_forever)
-    timer.join()
+        notebook_launcher(sleep_forever, observers=[pressed])
+    assert pressed.waiting == {0, 1, 2, 3}
 
 
 @pytest.mark.parametrize("tpu_machine", ["colab-v5e-1"], indirect=True)

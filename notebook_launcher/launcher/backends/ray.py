@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,10 @@ if TYPE_CHECKING:
 _READ_WAIT_S = 0.2  # how long one ``read`` call waits for output in the actor
 _PLACE_TIMEOUT_S = 120.0  # Ray could not place the actors (too few CPUs / GPUs free)
 _CHUNK = 1 << 16
+# How long Ray waits for a node it starts to register: a busy machine can take minutes.
+# Ray reads it from the environment when imported and when its processes start.
+_START_WAIT_ENV = "RAY_raylet_start_wait_time_s"
+_START_WAIT_S = "300"
 
 
 class RayClusterError(LaunchError):
@@ -320,7 +324,8 @@ def _connect(plan: LaunchPlan) -> Any:
     """Ray, initialised: to ``ray_address`` / RAY_ADDRESS, else a local cluster we start."""
     global _started_here
     try:
-        import ray
+        with _start_wait():
+            import ray
     except ModuleNotFoundError as error:
         raise LaunchUnsupportedError(
             "backend='ray' needs the package 'ray', which is not installed: "
@@ -351,11 +356,12 @@ def _connect(plan: LaunchPlan) -> Any:
                     f"has {cores} core(s): the ranks share them.",
                     file=sys.stderr,
                 )
-            ray.init(
-                num_cpus=max(cores, plan.num_processes),
-                _node_ip_address=plan.master_addr if _is_loopback(plan.master_addr) else None,
-                **options,
-            )
+            with _start_wait():
+                ray.init(
+                    num_cpus=max(cores, plan.num_processes),
+                    _node_ip_address=plan.master_addr if _is_loopback(plan.master_addr) else None,
+                    **options,
+                )
             _started_here = True
     except Exception as error:
         where = f"the Ray cluster at {address!r}" if address else "a local Ray cluster"
@@ -364,6 +370,20 @@ def _connect(plan: LaunchPlan) -> Any:
             "leave both unset to start a local cluster for the launch."
         ) from error
     return ray
+
+
+@contextlib.contextmanager
+def _start_wait() -> Iterator[None]:
+    """A generous node start wait for the local cluster, unless the user chose one; the
+    kernel's environment is left as it was."""
+    if _START_WAIT_ENV in os.environ:
+        yield
+        return
+    os.environ[_START_WAIT_ENV] = _START_WAIT_S
+    try:
+        yield
+    finally:
+        os.environ.pop(_START_WAIT_ENV, None)
 
 
 def _shutdown() -> None:
