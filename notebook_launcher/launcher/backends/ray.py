@@ -364,6 +364,10 @@ def _connect(plan: LaunchPlan) -> Any:
                 )
             _started_here = True
     except Exception as error:
+        # A start that failed half way leaves Ray's own processes (gcs_server, raylet)
+        # behind unless it is shut down.
+        with contextlib.suppress(Exception):
+            ray.shutdown()
         where = f"the Ray cluster at {address!r}" if address else "a local Ray cluster"
         raise RayClusterError(
             f"could not connect to {where}: {error}. Check ray_address (or RAY_ADDRESS), or "
