@@ -94,11 +94,16 @@ def test_the_stop_button_interrupts_both_sleeping_ranks_and_the_session_survives
 
 
 def wait_until_ended(pid: int) -> None:
-    """Until the process is gone or a zombie (the kernel reaps it when it next looks)."""
+    """Until the process is gone or a zombie the kernel can reap when it next looks.
+
+    A process's main thread shows as a zombie while its other threads are still exiting,
+    and it cannot be reaped until they are gone: wait for those too."""
     try:
         process = psutil.Process(pid)
         deadline = time.monotonic() + 300  # a safety net only
-        while process.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (
+            process.status() == psutil.STATUS_ZOMBIE and process.num_threads() <= 1
+        ):
             time.sleep(0.02)
     except psutil.NoSuchProcess:
         pass
