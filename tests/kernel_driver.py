@@ -6,6 +6,7 @@ import dataclasses
 import queue
 import textwrap
 import time
+from collections.abc import Iterator
 
 from jupyter_client.manager import KernelManager
 
@@ -71,3 +72,21 @@ class RunningKernel:
         self.client.stop_channels()
         if self.manager.is_alive():
             self.manager.shutdown_kernel(now=True)
+
+
+def with_session() -> Iterator[RunningKernel]:
+    """A module fixture's body: a kernel with the magics loaded and 2 CPU ranks started."""
+    running = RunningKernel()
+    setup = running.run("%load_ext notebook_launcher\n%distributed start -n 2 --hardware cpu")
+    assert setup.error is None, setup.error
+    yield running
+    if running.manager.is_alive():  # a test may have killed the kernel on purpose
+        running.run("%distributed stop")
+    running.shutdown()
+
+
+def run_ok(kernel: RunningKernel, code: str) -> CellRun:
+    """Run a cell that must not raise."""
+    cell = kernel.run(code)
+    assert cell.error is None, cell.error
+    return cell

@@ -22,7 +22,7 @@ from notebook_launcher.session.inspect import (
 )
 from notebook_launcher.widgets.inspector import Inspection, render_html, render_text, verdict
 
-from .kernel_driver import RunningKernel
+from .kernel_driver import with_session
 
 SHOWN = ("display_data", "update_display_data", "execute_result")
 
@@ -148,12 +148,7 @@ def test_an_inspection_is_an_ordinary_display_output():
 
 @pytest.fixture(scope="module")
 def kernel():
-    running = RunningKernel()
-    setup = running.run("%load_ext notebook_launcher\n%distributed start -n 2 --hardware cpu")
-    assert setup.error is None, setup.error
-    yield running
-    running.run("%distributed stop")
-    running.shutdown()
+    yield from with_session()
 
 
 def shown(cell):

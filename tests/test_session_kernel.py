@@ -10,29 +10,14 @@ import psutil
 import pytest
 
 from .conftest import rank_processes
-from .kernel_driver import RunningKernel
+from .kernel_driver import RunningKernel, run_ok, with_session
 
 pytestmark = [pytest.mark.kernel, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    running = RunningKernel()
-    setup = running.run(
-        """
-        %load_ext notebook_launcher
-        %distributed start -n 2 --hardware cpu
-        """
-    )
-    assert setup.error is None, setup.error
-    yield running
-    running.shutdown()
-
-
-def run_ok(kernel, code):
-    cell = kernel.run(code)
-    assert cell.error is None, cell.error
-    return cell
+    yield from with_session()
 
 
 def test_state_stays_on_the_ranks_across_three_cells_with_prefixed_output_and_values(kernel):

@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from .conftest import rank_processes
-from .kernel_driver import RunningKernel
+from .kernel_driver import RunningKernel, run_ok, with_session
 
 pytestmark = [pytest.mark.kernel, pytest.mark.slow]
 
@@ -27,17 +27,7 @@ WAITING_IN_A_COLLECTIVE = (
 
 @pytest.fixture(scope="module")
 def kernel():
-    running = RunningKernel()
-    setup = running.run("%load_ext notebook_launcher\n%distributed start -n 2 --hardware cpu")
-    assert setup.error is None, setup.error
-    yield running
-    running.shutdown()
-
-
-def run_ok(kernel, code):
-    cell = kernel.run(code)
-    assert cell.error is None, cell.error
-    return cell
+    yield from with_session()
 
 
 def wait_for_both(kernel, msg_id: str, text: str) -> None:
