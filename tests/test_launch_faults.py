@@ -247,6 +247,18 @@ def test_a_closed_connection_names_the_rank_that_returned_even_if_its_end_was_se
     assert "Before that" not in str(rank_failed_error(outcome))
 
 
+def test_each_later_failure_is_one_sentence_with_one_full_stop():
+    from notebook_launcher.errors import RankFailure
+    from notebook_launcher.launcher.rank_group import Outcome
+    from notebook_launcher.launcher.report import rank_failed_error
+
+    root = RankFailure(0, 11, 1, "ValueError", "bad batch.", time=100.0)
+    later = RankFailure(1, 12, 1, "RuntimeError", "the loader stopped.", time=100.5)
+    message = str(rank_failed_error(Outcome(failures=[root, later])))
+    assert "Afterwards, rank 1" in message
+    assert ".." not in message
+
+
 def fail_with_a_sentence():
     raise ValueError("the loss is NaN.")
 

@@ -51,7 +51,7 @@ def rank_failed_error(outcome: Outcome) -> RankFailedError:
         lines.append(early)
     for later in failures[1:]:
         summary = later.summary()
-        lines.append(f"Afterwards, {summary[0].lower()}{summary[1:]}.")
+        lines.append(_sentence(f"Afterwards, {summary[0].lower()}{summary[1:]}"))
     if root.traceback:
         lines += ["", f"Traceback from rank {root.rank}:", root.traceback.rstrip()]
     elif root.output_tail:
