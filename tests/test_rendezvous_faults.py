@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -61,6 +62,36 @@ def test_timeout_bounds_the_wait_for_an_absent_rendezvous_store(capfd, leak_chec
     # Said in words while it waits, without torch's C++ stack traces for every try.
     assert f"node_rank=1 waits for the rendezvous store at {endpoint} (nothing listens there yet; node_rank=0 hosts it)" in err
     assert "frame #" not in err and "TCPStore.cpp" not in err
+
+
+@pytest.fixture
+def store_that_vanishes():
+    """A port that answers the launcher's probe as torch's store does, once, then closes."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    def answer_once_then_close():
+        with listener, listener.accept()[0] as connection:
+            asked = b""
+            while len(asked) < 10:  # the store's magic number, a ping and its nonce
+                asked += connection.recv(10 - len(asked))
+            connection.sendall(asked[6:])
+
+    answering = threading.Thread(target=answer_once_then_close, daemon=True)
+    answering.start()
+    yield listener.getsockname()[1]
+    answering.join(timeout=60)
+
+
+def test_a_store_that_closes_after_answering_is_waited_for_not_called_closing(leak_check, store_that_vanishes):
+    endpoint = f"127.0.0.1:{store_that_vanishes}"
+    with pytest.raises(RendezvousTimeoutError) as raised:
+        notebook_launcher(work, num_processes=1, num_nodes=2, node_rank=1, rdzv_endpoint=endpoint,
+                          rdzv_conf={"join_timeout": 5})
+    assert f"could not reach the rendezvous store at {endpoint} within join_timeout=5s" in str(raised.value)
+    # The store was gone, not closing: the connect gave up with the probe, not at join_timeout.
+    assert "it is closing" not in str(raised.value)
 
 
 def test_static_node_0_says_what_it_waits_for_and_honours_join_timeout(capfd, leak_check):

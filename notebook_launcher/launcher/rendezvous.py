@@ -279,16 +279,21 @@ class NodeRendezvous:
                     "launch's rendezvous, or end the program that holds the port."
                 )
             if found == "store":
-                state = "only the previous launch's store answered; it is closing"
+                # A store that closes between the probe and the connect makes torch's
+                # client retry, with a C++ stack trace each time, for as long as its
+                # timeout: it gets the probe's short one, and the launch's once connected.
                 try:
                     store = TCPStore(
                         self._host, self._port, None, is_master=False,
-                        timeout=timedelta(seconds=max(1.0, self._clock.limit_s())),
+                        timeout=timedelta(seconds=max(0.1, min(_PROBE_S, self._clock.remaining()))),
                     )
+                except Exception:
+                    state = "a store answered there, then closed before it could be joined"
+                else:
+                    store.set_timeout(timedelta(seconds=max(1.0, self._clock.limit_s())))
                     if not protected(store, self._secret).check([_CLOSING_KEY]):
                         return store
-                except Exception:
-                    pass
+                    state = "only the previous launch's store answered; it is closing"
             else:
                 state = "nothing listens there yet"
             if self._clock.remaining() <= 0:
