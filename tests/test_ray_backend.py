@@ -186,6 +186,33 @@ def test_an_interrupt_stops_every_ray_rank(no_actor_left):
                           observers=[InterruptWhenBothStarted()])
 
 
+class KillActorOfRank1:
+    """Kills rank 1's actor (the Ray worker that forked it) from outside, once it waits."""
+
+    def on_event(self, event):
+        if isinstance(event, OutputLine) and event.rank == 1 and event.text.startswith("waiting under "):
+            os.kill(int(event.text.split()[-1]), signal.SIGKILL)
+
+
+def print_parent_then_wait():
+    print(f"waiting under {os.getppid()}", flush=True)
+    time.sleep(600)  # ended by the launcher, once rank 1 is lost
+
+
+def test_a_rank_whose_actor_is_killed_from_outside_is_named_with_its_node(no_actor_left):
+    node_id = ray.get_runtime_context().get_node_id()
+    with pytest.raises(RankFailedError) as caught:
+        notebook_launcher(print_parent_then_wait, num_processes=2, backend="ray", output="none",
+                          observers=[KillActorOfRank1()])
+    assert str(caught.value).startswith(
+        f"Rank 1 (pid {caught.value.failures[0].pid}) was lost: its Ray actor on node "
+        f"{ray.util.get_node_ip_address()} (node id {node_id[:12]}) died while the node stayed in the "
+        "cluster (its worker process was killed from outside, or ran out of memory), and the "
+        "rank with it. The other ranks were stopped."
+    ), str(caught.value)
+    assert [f.rank for f in caught.value.failures] == [1]
+
+
 def test_more_ranks_than_the_cluster_can_place_is_an_error_at_once(no_actor_left):
     from notebook_launcher.launcher.backends import ray as ray_backend
 
