@@ -213,6 +213,23 @@ def test_a_rank_whose_actor_is_killed_from_outside_is_named_with_its_node(no_act
     assert [f.rank for f in caught.value.failures] == [1]
 
 
+def test_a_rank_lost_with_its_node_is_the_root_cause_ahead_of_its_peers_closed_connection():
+    from notebook_launcher.errors import RankFailure
+    from notebook_launcher.launcher.rank_group import Outcome
+    from notebook_launcher.launcher.report import rank_failed_error
+
+    # The peer's collective fails at once; the kernel learns of the node a moment later.
+    peer = RankFailure(0, 11, 1, "RuntimeError", "[pair.cc:534] Connection closed by peer", time=100.0)
+    lost = RankFailure(1, 12, -9, lost="its Ray node 10.0.0.2 (node id 0123456789ab) left the cluster",
+                       time=101.0)
+    error = rank_failed_error(Outcome(failures=[peer, lost]))
+    assert str(error).startswith(
+        "Rank 1 (pid 12) was lost: its Ray node 10.0.0.2 (node id 0123456789ab) left the cluster. "
+        "The other ranks were stopped.\nAfterwards, rank 0 (pid 11) raised RuntimeError: "
+    ), str(error)
+    assert [f.rank for f in error.failures] == [1, 0]
+
+
 def test_more_ranks_than_the_cluster_can_place_is_an_error_at_once(no_actor_left):
     from notebook_launcher.launcher.backends import ray as ray_backend
 
