@@ -90,3 +90,19 @@ def run_ok(kernel: RunningKernel, code: str) -> CellRun:
     cell = kernel.run(code)
     assert cell.error is None, cell.error
     return cell
+
+
+
+def wait_for_output(kernel: RunningKernel, msg_id: str, texts: list[str], timeout: float = 900) -> CellRun:
+    """The running cell's output until each of ``texts`` appeared in its stdout; fails at
+    once if the cell ends first (``timeout`` is a safety net)."""
+    seen = CellRun()
+    for text in texts:
+        if text in seen.stdout:
+            continue
+        part = kernel.collect(msg_id, timeout, until=text)
+        seen.stdout += part.stdout
+        seen.stderr += part.stderr
+        if text not in seen.stdout:  # collect() returned because the cell ended
+            raise AssertionError(f"the cell ended before {text!r} appeared: {part.error}\n{seen}")
+    return seen

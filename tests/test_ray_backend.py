@@ -21,11 +21,14 @@ ray = pytest.importorskip("ray")
 
 from notebook_launcher import LaunchConfigError, RankFailedError, notebook_launcher  # noqa: E402
 from notebook_launcher.errors import LaunchUnsupportedError  # noqa: E402
+from notebook_launcher.launcher.backends import ray_local  # noqa: E402
 from notebook_launcher.launcher.events import OutputLine  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo"}
+# Multi-node clusters off: Ray keeps the node address 127.0.0.1 and binds loopback alone.
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo",
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -67,10 +70,12 @@ def cluster():
     temp_dir = tempfile.mkdtemp(prefix="nlray")  # Ray's socket paths must stay under 107 bytes
     started = False
     try:
-        ray.init(
-            num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
-            _temp_dir=temp_dir,
-        )
+        # This process imported Ray before the environment above: switched as the launcher does.
+        with ray_local._single_node(loopback=True):
+            ray.init(
+                num_cpus=2, include_dashboard=False, log_to_driver=False,
+                _node_ip_address="127.0.0.1", _temp_dir=temp_dir,
+            )
         started = True
         yield ray
     finally:

@@ -9,9 +9,10 @@ in order when the kernel asks (``read``); in the kernel one feeder thread per ra
 them into the pipes the rank group reads, so output arrives whole-line-safe and nothing
 is lost or reordered. Stopping a rank signals it through its actor; SIGKILL kills the
 actor (and so the rank). The cluster is the one ``ray_address`` (or ``RAY_ADDRESS``)
-names, or a local one started for the launch and shut down after it. A rank whose actor
-dies without the launcher killing it (its node left the cluster, its worker was killed)
-ends with words saying so, naming the node it ran on.
+names, or a local one started for the launch and shut down after it (on loopback, with a
+token of its own: ``ray_local``). A rank whose actor dies without the launcher killing it
+(its node left the cluster, its worker was killed) ends with words saying so, naming the
+node it ran on.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from notebook_launcher.errors import LaunchError, LaunchUnsupportedError
+from notebook_launcher.launcher.backends import ray_local
 from notebook_launcher.launcher.backends.base import (
     Backend,
     Ended,
@@ -443,12 +445,10 @@ def _connect(plan: LaunchPlan) -> Any:
                     f"has {cores} core(s): the ranks share them.",
                     file=sys.stderr,
                 )
+            # Ray binds loopback alone only for the node address 127.0.0.1 itself.
+            node_ip = "127.0.0.1" if _is_loopback(plan.master_addr) else None
             with _start_wait():
-                ray.init(
-                    num_cpus=max(cores, plan.num_processes),
-                    _node_ip_address=plan.master_addr if _is_loopback(plan.master_addr) else None,
-                    **options,
-                )
+                ray_local.start(ray, max(cores, plan.num_processes), node_ip, options)
             _started_here = True
     except Exception as error:
         # A start that failed half way leaves Ray's own processes (gcs_server, raylet)
@@ -481,8 +481,7 @@ def _shutdown() -> None:
     global _started_here
     import ray
 
-    with contextlib.suppress(Exception):
-        ray.shutdown()
+    ray_local.shutdown(ray)
     _started_here = False
 
 

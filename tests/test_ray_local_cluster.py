@@ -1,0 +1,145 @@
+"""The Ray cluster a launch starts for itself (no ray_address): every port on loopback, and
+only clients holding its token admitted, a token written to no file; the kernel's own
+settings come back afterwards.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import psutil
+import pytest
+
+pytest.importorskip("ray")
+
+from .kernel_driver import RunningKernel, wait_for_output
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.kernel]
+
+AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+SETUP = """
+import os
+for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS",
+             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
+    os.environ.pop(name, None)
+os.environ.update({env!r})
+from notebook_launcher import notebook_launcher
+
+def blocked(fifo):
+    reader = os.open(fifo, os.O_RDWR)  # never at end of file: read() waits for a byte
+    print("blocked", flush=True)
+    os.read(reader, 1)
+    return int(os.environ["RANK"])
+"""
+
+# A client that reaches the GCS port and asks it for the cluster's nodes, with the token
+# given (if any) the way Ray's own clients send it.
+STRANGER = textwrap.dedent("""
+    import sys
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    address, token = sys.argv[1], sys.argv[2]
+    stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(grpc.insecure_channel(address))
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    try:
+        reply = stub.GetAllNodeInfo(gcs_service_pb2.GetAllNodeInfoRequest(), timeout=120,
+                                    metadata=metadata)
+        print("ANSWERED", len(reply.node_info_list))
+    except grpc.RpcError as error:
+        print("REFUSED", error.code().name)
+""")
+
+
+@pytest.fixture
+def folders():
+    # Ray's socket paths must stay under 107 bytes: short folders.
+    made = {name: tempfile.mkdtemp(prefix=name[0], dir="/tmp") for name in ("home", "ray", "stranger")}
+    yield made
+    for path in made.values():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def listening(pid: int) -> list[tuple[str, str, int]]:
+    """Every socket the process and its descendants listen on: (name, address, port)."""
+    found = []
+    root = psutil.Process(pid)
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            name = process.name()
+            connections = process.net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        found += [(name, c.laddr.ip, c.laddr.port) for c in connections if c.status == psutil.CONN_LISTEN]
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)  # [::ffff:127.0.0.1], a dual-stack socket
+    return (mapped or ip).is_loopback
+
+
+def ask_gcs(address: str, token: str, folders: dict[str, str]) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["HOME"] = folders["stranger"]  # no ~/.ray/auth_token of anyone's
+    done = subprocess.run([sys.executable, "-c", STRANGER, address, token], capture_output=True,
+                          text=True, env=env, timeout=600)
+    return done.stdout.strip() or done.stderr
+
+
+@pytest.mark.parametrize("auth_mode", [None, "disabled"])
+def test_the_cluster_started_for_a_launch_listens_on_loopback_and_refuses_clients_without_its_token(
+    folders, auth_mode
+):
+    env = {"RAY_USAGE_STATS_ENABLED": "0", "GLOO_SOCKET_IFNAME": "lo", "HOME": folders["home"],
+           "RAY_TMPDIR": folders["ray"]}
+    if auth_mode:
+        env["RAY_AUTH_MODE"] = auth_mode
+    fifo = os.path.join(folders["ray"], "go")
+    os.mkfifo(fifo)
+    kernel = RunningKernel()
+    try:
+        setup = kernel.run(SETUP.format(env=env))
+        assert setup.error is None, setup.error
+        msg_id = kernel.submit(f"notebook_launcher(blocked, ({fifo!r},), num_processes=2, backend='ray', return_all=True)")
+        waited = wait_for_output(kernel, msg_id, ["[rank0]: blocked", "[rank1]: blocked"])
+
+        # Both ranks wait: the cluster is up, and so is every port of the launch.
+        ports = listening(kernel.pid)
+        gcs = [port for name, _, port in ports if name == "gcs_server"]
+        assert len(gcs) == 1 and {"raylet", "gcs_server"} <= {name for name, _, _ in ports}, ports
+        assert [p for p in ports if not is_loopback(p[1])] == []
+        address = f"127.0.0.1:{gcs[0]}"
+        assert ask_gcs(address, "", folders) == "REFUSED UNAUTHENTICATED"
+        assert ask_gcs(address, "0" * 64, folders) == "REFUSED UNAUTHENTICATED"
+
+        writer = os.open(fifo, os.O_WRONLY)
+        os.write(writer, b"gg")  # one byte for each rank
+        os.close(writer)
+        cell = kernel.collect(msg_id, timeout=900)
+        after = kernel.run(
+            "import ray; (ray.is_initialized(), "
+            f"[os.environ.get(name) for name in {[*AUTH_ENV, 'RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER']!r}])"
+        )
+    finally:
+        kernel.shutdown()
+    assert cell.error is None, cell.error
+    assert cell.result == "[0, 1]"  # the launcher itself was admitted
+    assert after.result == repr((False, [auth_mode, None, None, None]))  # the kernel's own settings
+    assert not os.path.exists(os.path.join(folders["home"], ".ray"))  # no token file written
+    note = (
+        "notebook_launcher: RAY_AUTH_MODE=disabled is set, but the Ray cluster started for this "
+        "launch uses token authentication anyway: it is started with a token of its own, which "
+        "only the launcher needs. To run a cluster without authentication, start it yourself "
+        "(ray start) and pass ray_address=.\n"
+    )
+    stderr = waited.stderr + cell.stderr
+    assert (note in stderr) == (auth_mode == "disabled"), stderr
