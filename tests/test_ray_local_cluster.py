@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from pathlib import Path
 
 import psutil
 import pytest
@@ -23,6 +24,7 @@ from .kernel_driver import RunningKernel, wait_for_output
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.kernel]
 
 AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+ROOT = str(Path(__file__).resolve().parents[1])
 
 SETUP = """
 import os
@@ -88,10 +90,33 @@ def is_loopback(address: str) -> bool:
 
 
 def ask_gcs(address: str, token: str, folders: dict[str, str]) -> str:
+    done = subprocess.run([sys.executable, "-c", STRANGER, address, token], capture_output=True,
+                          text=True, env=stranger_env(folders), timeout=600)
+    return done.stdout.strip() or done.stderr
+
+
+def stranger_env(folders: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["HOME"] = folders["stranger"]  # no ~/.ray/auth_token of anyone's
-    done = subprocess.run([sys.executable, "-c", STRANGER, address, token], capture_output=True,
-                          text=True, env=env, timeout=600)
+    return env
+
+
+def launch_at(address: str, folders: dict[str, str]) -> str:
+    """What a launch of another user's kernel, naming the cluster but without its token, says."""
+    script = textwrap.dedent("""
+        import sys
+        from notebook_launcher import notebook_launcher
+
+        try:
+            notebook_launcher(print, num_processes=1, backend="ray", ray_address=sys.argv[1])
+        except Exception as error:
+            print(type(error).__name__, error)
+    """)
+    # Without it Ray would rewrite 127.0.0.1 into the machine's outward address, on which
+    # this cluster does not listen.
+    env = {**stranger_env(folders), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": ROOT}
+    done = subprocess.run([sys.executable, "-c", script, address], capture_output=True, text=True,
+                          env=env, timeout=600)
     return done.stdout.strip() or done.stderr
 
 
@@ -120,6 +145,11 @@ def test_the_cluster_started_for_a_launch_listens_on_loopback_and_refuses_client
         address = f"127.0.0.1:{gcs[0]}"
         assert ask_gcs(address, "", folders) == "REFUSED UNAUTHENTICATED"
         assert ask_gcs(address, "0" * 64, folders) == "REFUSED UNAUTHENTICATED"
+        if auth_mode is None:
+            assert launch_at(address, folders).startswith(
+                f"RayClusterError could not connect to the Ray cluster at '{address}': Failed to "
+                f"connect to Ray cluster at {address}"
+            )
 
         writer = os.open(fifo, os.O_WRONLY)
         os.write(writer, b"gg")  # one byte for each rank
@@ -143,3 +173,45 @@ def test_the_cluster_started_for_a_launch_listens_on_loopback_and_refuses_client
     )
     stderr = waited.stderr + cell.stderr
     assert (note in stderr) == (auth_mode == "disabled"), stderr
+
+
+# Ray's dashboard agent, held until its raylet is gone: the raylet waits about 15 s for the
+# agent's ports, then gives up, as it does when a busy machine starts the agent too slowly.
+AGENT_NEVER_READY = textwrap.dedent("""
+    import os, select, sys
+    if any(arg.endswith("dashboard/agent.py") for arg in sys.argv):
+        select.select([os.pidfd_open(os.getppid())], [], [])
+        os._exit(1)
+""")
+
+
+def test_a_local_cluster_that_does_not_start_fails_saying_where_ray_says_why(folders, tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(AGENT_NEVER_READY)
+    script = textwrap.dedent("""
+        import psutil
+        from notebook_launcher import notebook_launcher
+
+        try:
+            notebook_launcher(print, num_processes=1, backend="ray")
+        except Exception as error:
+            print(type(error).__name__, error)
+        print("LEFT", [p.name() for p in psutil.Process().children(recursive=True)])
+    """)
+    env = {
+        **stranger_env(folders), "HOME": folders["home"], "RAY_TMPDIR": folders["ray"],
+        "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": f"{tmp_path}:{ROOT}",
+        "RAY_raylet_start_wait_time_s": "20",  # the user's own choice; the launcher keeps it
+    }
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=900)
+    logs = os.path.join(folders["ray"], "ray", "session_latest", "logs")
+    lines = done.stdout.splitlines()
+    assert lines[0] == (
+        "RayClusterError could not start a local Ray cluster for the launch: The current node "
+        "timed out during startup. This could happen because some of the raylet failed to startup "
+        f"or the GCS has become overloaded. Ray's logs in {logs} say why; on a busy machine its "
+        "raylet gives up when its own agents start slowly (raylet.out: 'Timed out waiting for "
+        "file'), and running the launch again helps."
+    ), done.stdout + done.stderr
+    assert "Timed out waiting for file" in Path(logs, "raylet.out").read_text()
+    assert lines[-1] == "LEFT []"

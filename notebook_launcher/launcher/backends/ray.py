@@ -455,10 +455,21 @@ def _connect(plan: LaunchPlan) -> Any:
         # behind unless it is shut down.
         with contextlib.suppress(Exception):
             ray.shutdown()
-        where = f"the Ray cluster at {address!r}" if address else "a local Ray cluster"
+        if address:
+            raise RayClusterError(
+                f"could not connect to the Ray cluster at {address!r}: {error}. Check ray_address "
+                "(or RAY_ADDRESS). A cluster with token authentication also needs RAY_AUTH_MODE=token "
+                "and its token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token) in this "
+                "kernel's environment. Or leave both unset to start a local cluster for the launch."
+            ) from error
+        # Where Ray keeps them: RAY_TMPDIR, else TMPDIR, else /tmp, then ray/session_latest.
+        base = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+        logs = os.path.join(base, "ray", "session_latest", "logs")
+        why = str(error).rstrip(". ")
         raise RayClusterError(
-            f"could not connect to {where}: {error}. Check ray_address (or RAY_ADDRESS), or "
-            "leave both unset to start a local cluster for the launch."
+            f"could not start a local Ray cluster for the launch: {why}. Ray's logs in {logs} "
+            "say why; on a busy machine its raylet gives up when its own agents start slowly "
+            "(raylet.out: 'Timed out waiting for file'), and running the launch again helps."
         ) from error
     return ray
 

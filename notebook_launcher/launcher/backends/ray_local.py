@@ -22,6 +22,7 @@ import contextlib
 import importlib
 import os
 import secrets
+import signal
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -49,11 +50,16 @@ def start(ray: Any, num_cpus: int, node_ip_address: str | None, options: dict[st
     os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
     _reload_auth()
     _saved_auth = saved
+    before = _ray_children(ray)
     try:
         with _single_node(node_ip_address is not None):
             ray.init(num_cpus=num_cpus, _node_ip_address=node_ip_address, **options)
     except BaseException:
         shutdown(ray)
+        # A start that failed before Ray kept hold of its node (its raylet died while
+        # starting) leaves the gcs_server and Ray's helpers running: ray.shutdown() does not
+        # know them.
+        _kill(_ray_children(ray) - before)
         raise
 
 
@@ -71,6 +77,39 @@ def shutdown(ray: Any) -> None:
             os.environ[name] = value
     _saved_auth = None
     _reload_auth()
+
+
+def _ray_children(ray: Any) -> set[int]:
+    """This process's children that run Ray's own programs (read from /proc, where there is one)."""
+    package = os.path.dirname(ray.__file__).encode()
+    found: set[int] = set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                fields = stat.read().rpartition(b")")[2].split()  # after "pid (name)"
+            if int(fields[1]) != os.getpid():
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                if package in cmdline.read():
+                    found.add(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _kill(pids: set[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
 
 
 def _reload_auth() -> None:
