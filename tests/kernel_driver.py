@@ -93,9 +93,18 @@ def run_ok(kernel: RunningKernel, code: str) -> CellRun:
 
 
 
+
+class CellEnded(AssertionError):
+    """The cell ended before the output a test waited for; ``cell`` holds what it showed."""
+
+    def __init__(self, text: str, cell: CellRun) -> None:
+        super().__init__(f"the cell ended before {text!r} appeared: {cell.error}\n{cell}")
+        self.cell = cell
+
+
 def wait_for_output(kernel: RunningKernel, msg_id: str, texts: list[str], timeout: float = 900) -> CellRun:
-    """The running cell's output until each of ``texts`` appeared in its stdout; fails at
-    once if the cell ends first (``timeout`` is a safety net)."""
+    """The running cell's output until each of ``texts`` appeared in its stdout; raises
+    CellEnded at once if the cell ends first (``timeout`` is a safety net)."""
     seen = CellRun()
     for text in texts:
         if text in seen.stdout:
@@ -103,6 +112,7 @@ def wait_for_output(kernel: RunningKernel, msg_id: str, texts: list[str], timeou
         part = kernel.collect(msg_id, timeout, until=text)
         seen.stdout += part.stdout
         seen.stderr += part.stderr
+        seen.error = part.error
         if text not in seen.stdout:  # collect() returned because the cell ended
-            raise AssertionError(f"the cell ended before {text!r} appeared: {part.error}\n{seen}")
+            raise CellEnded(text, seen)
     return seen
