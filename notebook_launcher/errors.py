@@ -58,6 +58,7 @@ class RankFailure:
     traceback: str = ""  # the rank's own formatted traceback
     output_tail: str = ""  # last lines the rank wrote to stderr (for crashes without a traceback)
     time: float = 0.0  # when it failed (seconds since the epoch); orders the root cause first
+    lost: str = ""  # the rank went with what ran it (a Ray node that left its cluster): how, in words
 
     @property
     def signal_name(self) -> str | None:
@@ -70,6 +71,8 @@ class RankFailure:
 
     def summary(self) -> str:
         who = f"Rank {self.rank}" + (f" (pid {self.pid})" if self.pid else "")
+        if self.lost:
+            return f"{who} was lost: {self.lost}"
         if self.exception_type:
             text = f"{self.exception_type}: {self.message}" if self.message else self.exception_type
             return f"{who} raised {text}"

@@ -90,3 +90,29 @@ def run_ok(kernel: RunningKernel, code: str) -> CellRun:
     cell = kernel.run(code)
     assert cell.error is None, cell.error
     return cell
+
+
+
+
+class CellEnded(AssertionError):
+    """The cell ended before the output a test waited for; ``cell`` holds what it showed."""
+
+    def __init__(self, text: str, cell: CellRun) -> None:
+        super().__init__(f"the cell ended before {text!r} appeared: {cell.error}\n{cell}")
+        self.cell = cell
+
+
+def wait_for_output(kernel: RunningKernel, msg_id: str, texts: list[str], timeout: float = 900) -> CellRun:
+    """The running cell's output until each of ``texts`` appeared in its stdout; raises
+    CellEnded at once if the cell ends first (``timeout`` is a safety net)."""
+    seen = CellRun()
+    for text in texts:
+        if text in seen.stdout:
+            continue
+        part = kernel.collect(msg_id, timeout, until=text)
+        seen.stdout += part.stdout
+        seen.stderr += part.stderr
+        seen.error = part.error
+        if text not in seen.stdout:  # collect() returned because the cell ended
+            raise CellEnded(text, seen)
+    return seen

@@ -21,11 +21,14 @@ ray = pytest.importorskip("ray")
 
 from notebook_launcher import LaunchConfigError, RankFailedError, notebook_launcher  # noqa: E402
 from notebook_launcher.errors import LaunchUnsupportedError  # noqa: E402
+from notebook_launcher.launcher.backends import ray_local  # noqa: E402
 from notebook_launcher.launcher.events import OutputLine  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo"}
+# Multi-node clusters off: Ray keeps the node address 127.0.0.1 and binds loopback alone.
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo",
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -67,10 +70,12 @@ def cluster():
     temp_dir = tempfile.mkdtemp(prefix="nlray")  # Ray's socket paths must stay under 107 bytes
     started = False
     try:
-        ray.init(
-            num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
-            _temp_dir=temp_dir,
-        )
+        # This process imported Ray before the environment above: switched as the launcher does.
+        with ray_local._single_node(loopback=True):
+            ray.init(
+                num_cpus=2, include_dashboard=False, log_to_driver=False,
+                _node_ip_address="127.0.0.1", _temp_dir=temp_dir,
+            )
         started = True
         yield ray
     finally:
@@ -184,6 +189,50 @@ def test_an_interrupt_stops_every_ray_rank(no_actor_left):
     with pytest.raises(KeyboardInterrupt):
         notebook_launcher(print_then_sleep, num_processes=2, backend="ray",
                           observers=[InterruptWhenBothStarted()])
+
+
+class KillActorOfRank1:
+    """Kills rank 1's actor (the Ray worker that forked it) from outside, once it waits."""
+
+    def on_event(self, event):
+        if isinstance(event, OutputLine) and event.rank == 1 and event.text.startswith("waiting under "):
+            os.kill(int(event.text.split()[-1]), signal.SIGKILL)
+
+
+def print_parent_then_wait():
+    print(f"waiting under {os.getppid()}", flush=True)
+    time.sleep(600)  # ended by the launcher, once rank 1 is lost
+
+
+def test_a_rank_whose_actor_is_killed_from_outside_is_named_with_its_node(no_actor_left):
+    node_id = ray.get_runtime_context().get_node_id()
+    with pytest.raises(RankFailedError) as caught:
+        notebook_launcher(print_parent_then_wait, num_processes=2, backend="ray", output="none",
+                          observers=[KillActorOfRank1()])
+    assert str(caught.value).startswith(
+        f"Rank 1 (pid {caught.value.failures[0].pid}) was lost: its Ray actor on node "
+        f"{ray.util.get_node_ip_address()} (node id {node_id[:12]}) died while the node stayed in the "
+        "cluster (its worker process was killed from outside, or ran out of memory), and the "
+        "rank with it. The other ranks were stopped."
+    ), str(caught.value)
+    assert [f.rank for f in caught.value.failures] == [1]
+
+
+def test_a_rank_lost_with_its_node_is_the_root_cause_ahead_of_its_peers_closed_connection():
+    from notebook_launcher.errors import RankFailure
+    from notebook_launcher.launcher.rank_group import Outcome
+    from notebook_launcher.launcher.report import rank_failed_error
+
+    # The peer's collective fails at once; the kernel learns of the node a moment later.
+    peer = RankFailure(0, 11, 1, "RuntimeError", "[pair.cc:534] Connection closed by peer", time=100.0)
+    lost = RankFailure(1, 12, -9, lost="its Ray node 10.0.0.2 (node id 0123456789ab) left the cluster",
+                       time=101.0)
+    error = rank_failed_error(Outcome(failures=[peer, lost]))
+    assert str(error).startswith(
+        "Rank 1 (pid 12) was lost: its Ray node 10.0.0.2 (node id 0123456789ab) left the cluster. "
+        "The other ranks were stopped.\nAfterwards, rank 0 (pid 11) raised RuntimeError: "
+    ), str(error)
+    assert [f.rank for f in error.failures] == [1, 0]
 
 
 def test_more_ranks_than_the_cluster_can_place_is_an_error_at_once(no_actor_left):

@@ -399,10 +399,14 @@ class RankGroup:
             if isinstance(message, Result) and exitcode in (0, None):
                 self.outcome.results[rank.rank] = message
                 return None
-        if rank.stop_sent:
+        lost = rank.ended.lost if rank.ended is not None else None
+        if rank.stop_sent and not lost:
             return None  # ended because the group stopped it
+        # A rank lost with its machine is a failure even while the group was stopping it:
+        # the stop did not end it, and its loss often explains why its peers failed.
         return RankFailure(
-            rank.rank, rank.pid, exitcode, output_tail=crash_excerpt(list(rank.tail)), time=time.time()
+            rank.rank, rank.pid, exitcode, output_tail=crash_excerpt(list(rank.tail)),
+            time=time.time(), lost=lost or "",
         )
 
     def _keep_remote_exception(

@@ -44,6 +44,12 @@ def finish(
 
 def rank_failed_error(outcome: Outcome) -> RankFailedError:
     failures = sorted(outcome.failures, key=lambda f: f.time)
+    # A rank lost with its machine breaks its peers' connections at once, and the kernel
+    # hears of those first: the loss is the cause.
+    lost = next((f for f in failures if f.lost), None)
+    if lost is not None and _is_closed_connection(failures[0]):
+        failures.remove(lost)
+        failures.insert(0, lost)
     root = failures[0]
     lines = [f"{_sentence(root.summary())} The other ranks were stopped."]
     early = _left_early(outcome, root)

@@ -36,6 +36,9 @@ class Ended:
     """How a rank's process ended."""
 
     exitcode: int | None  # negative: killed by that signal; None: the backend cannot know
+    # The rank went with what ran it, which the launcher did not end (a Ray node that left
+    # its cluster): how, in words that follow "was lost: ".
+    lost: str | None = None
 
 
 # What runs inside each rank: run_rank for a launch, a command loop for a session. It must

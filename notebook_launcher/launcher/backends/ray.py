@@ -9,7 +9,10 @@ in order when the kernel asks (``read``); in the kernel one feeder thread per ra
 them into the pipes the rank group reads, so output arrives whole-line-safe and nothing
 is lost or reordered. Stopping a rank signals it through its actor; SIGKILL kills the
 actor (and so the rank). The cluster is the one ``ray_address`` (or ``RAY_ADDRESS``)
-names, or a local one started for the launch and shut down after it.
+names, or a local one started for the launch and shut down after it (on loopback, with a
+token of its own: ``ray_local``). A rank whose actor dies without the launcher killing it
+(its node left the cluster, its worker was killed) ends with words saying so, naming the
+node it ran on.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import queue
 import selectors
 import signal
+import socket
 import sys
 import threading
 import time
@@ -29,6 +33,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from notebook_launcher.errors import LaunchError, LaunchUnsupportedError
+from notebook_launcher.launcher.backends import ray_local
 from notebook_launcher.launcher.backends.base import (
     Backend,
     Ended,
@@ -44,6 +49,7 @@ if TYPE_CHECKING:
 
 _READ_WAIT_S = 0.2  # how long one ``read`` call waits for output in the actor
 _PLACE_TIMEOUT_S = 120.0  # Ray could not place the actors (too few CPUs / GPUs free)
+_PROBE_TIMEOUT_S = 5.0  # a raylet that does not take a connection by then is gone
 _CHUNK = 1 << 16
 # How long Ray waits for a node it starts to register: a busy machine can take minutes.
 # Ray reads it from the environment when imported and when its processes start.
@@ -61,6 +67,12 @@ class RankHost:
     def __init__(self) -> None:
         self._items: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._process: Any = None
+
+    def where(self) -> tuple[str, str]:
+        """The node this actor was placed on: its id and address."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
     def start(self, spec: RankSpec, payload: Any, target: RankTarget) -> int:
         import multiprocessing
@@ -145,12 +157,15 @@ class ActorControl(RankControl):
         self._ended: Ended | None = None
         self._done = threading.Event()
         self._feeder = threading.Thread(target=self._feed, daemon=True, name="notebook_launcher-ray-feed")
+        self.node: Node | None = None  # where Ray placed the actor, once it said
+        self._killed = False  # the launcher killed the actor: its end says nothing of its node
 
     def begin(self) -> None:
         self._feeder.start()
 
     def _feed(self) -> None:
         code: int | None = None
+        lost: str | None = None
         try:
             while True:
                 items = self._ray.get(self._actor.read.remote(_READ_WAIT_S))
@@ -166,10 +181,32 @@ class ActorControl(RankControl):
                         return
         except Exception:  # the actor was killed (or its node lost): the rank died with it
             code = -signal.SIGKILL
+            if not self._killed:
+                lost = self.loss()
         finally:
             self._close_ends()
-            self._ended = Ended(code)
+            self._ended = Ended(code, lost)
             self._done.set()
+
+    def loss(self) -> str:
+        """Why the actor is gone, when the launcher did not end it, in words."""
+        if self.node is None:
+            return "its Ray actor died before Ray said which node it was placed on"
+        state = _node_state(self._ray, self.node.id)
+        if state == "unknown":
+            return (
+                f"its Ray actor on node {self.node} died, and the Ray cluster could not be asked "
+                "why (its head node may be gone)"
+            )
+        if state == "alive":
+            return (
+                f"its Ray actor on node {self.node} died while the node stayed in the cluster (its "
+                "worker process was killed from outside, or ran out of memory), and the rank with it"
+            )
+        return (
+            f"its Ray node {self.node} left the cluster (its raylet stopped, or its machine went "
+            "down or off the network), and the rank with it; `ray status` lists the nodes left"
+        )
 
     def _close_ends(self) -> None:
         for fd in (self._out, self._err):
@@ -192,6 +229,7 @@ class ActorControl(RankControl):
                 self._actor.signal.remote(signum)
 
     def kill(self) -> None:
+        self._killed = True
         with contextlib.suppress(Exception):
             self._ray.kill(self._actor, no_restart=True)
 
@@ -207,6 +245,41 @@ class ActorControl(RankControl):
             self._done.set()
             return
         self._feeder.join(timeout=10)
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """A node of the Ray cluster, as messages name it."""
+
+    id: str
+    address: str
+
+    def __str__(self) -> str:
+        return f"{self.address} (node id {self.id[:12]})"
+
+
+def _node_state(ray: Any, node_id: str) -> str:
+    """"alive", "gone", or "unknown" (the cluster cannot be asked).
+
+    The cluster notices a lost node only after missing its heartbeats for a while, seconds
+    after the node's actors were seen to die; the node's raylet answers at once: a refused
+    or unanswered connection is a raylet that is gone.
+    """
+    try:
+        nodes = ray.nodes()
+    except Exception:
+        return "unknown"
+    node = next((n for n in nodes if n.get("NodeID") == node_id), None)
+    if node is None or not node.get("Alive"):
+        return "gone"
+    try:
+        address = (node["NodeManagerAddress"], int(node["NodeManagerPort"]))
+        with socket.create_connection(address, timeout=_PROBE_TIMEOUT_S):
+            return "alive"
+    except (KeyError, ValueError):
+        return "unknown"
+    except OSError:
+        return "gone"
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -262,14 +335,11 @@ class RayBackend(Backend):
             for rank_ends in ends:
                 controls.append(ActorControl(ray, actor_class.remote(), rank_ends))
             self._controls = controls
-            started = [
-                control._actor.start.remote(spec, payload, target)
-                for control, spec in zip(controls, specs)
-            ]
+            placed = [control._actor.where.remote() for control in controls]
             # The cluster can hold them all (checked above): what is missing is held by
             # other work, which may end; the launch's own timeout= bounds the wait too.
             wait_s = min(_PLACE_TIMEOUT_S, plan.timeout or _PLACE_TIMEOUT_S)
-            ready, pending = ray.wait(started, num_returns=len(started), timeout=wait_s)
+            _, pending = ray.wait(placed, num_returns=len(placed), timeout=wait_s)
             if pending:
                 total, free = ray.cluster_resources(), ray.available_resources()
                 raise RayClusterError(
@@ -279,7 +349,14 @@ class RayBackend(Backend):
                     "the rest held by other work or by this launch's ranks placed so far. Wait "
                     "for that work to end, ask for fewer ranks, or add machines to the cluster."
                 )
-            ray.get(ready)  # a rank that could not even start raises here
+            for control, spec, where in zip(controls, specs, placed):
+                control.node = Node(*_started(ray, where, control, spec.rank))
+            started = [
+                control._actor.start.remote(spec, payload, target)
+                for control, spec in zip(controls, specs)
+            ]
+            for control, spec, pid in zip(controls, specs, started):
+                _started(ray, pid, control, spec.rank)  # a rank that could not even start raises here
             for control in controls:
                 control.begin()  # the rank's pid arrives with its Hello (it may be remote)
         except BaseException:
@@ -299,6 +376,18 @@ class RayBackend(Backend):
 
 
 _started_here = False
+
+
+def _started(ray: Any, ref: Any, control: ActorControl, rank: int) -> Any:
+    """The value of a call the start made on a rank's actor; an actor that died on the way
+    fails the launch, naming the rank and its node."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayActorError as error:
+        raise RayClusterError(
+            f"rank {rank} could not start: {control.loss()}. Launch again once the cluster is "
+            "whole (`ray status` lists its nodes)."
+        ) from error
 
 
 def _needs(plan: LaunchPlan) -> str:
@@ -356,22 +445,31 @@ def _connect(plan: LaunchPlan) -> Any:
                     f"has {cores} core(s): the ranks share them.",
                     file=sys.stderr,
                 )
+            # Ray binds loopback alone only for the node address 127.0.0.1 itself.
+            node_ip = "127.0.0.1" if _is_loopback(plan.master_addr) else None
             with _start_wait():
-                ray.init(
-                    num_cpus=max(cores, plan.num_processes),
-                    _node_ip_address=plan.master_addr if _is_loopback(plan.master_addr) else None,
-                    **options,
-                )
+                ray_local.start(ray, max(cores, plan.num_processes), node_ip, options)
             _started_here = True
     except Exception as error:
         # A start that failed half way leaves Ray's own processes (gcs_server, raylet)
         # behind unless it is shut down.
         with contextlib.suppress(Exception):
             ray.shutdown()
-        where = f"the Ray cluster at {address!r}" if address else "a local Ray cluster"
+        if address:
+            raise RayClusterError(
+                f"could not connect to the Ray cluster at {address!r}: {error}. Check ray_address "
+                "(or RAY_ADDRESS). A cluster with token authentication also needs RAY_AUTH_MODE=token "
+                "and its token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token) in this "
+                "kernel's environment. Or leave both unset to start a local cluster for the launch."
+            ) from error
+        # Where Ray keeps them: RAY_TMPDIR, else TMPDIR, else /tmp, then ray/session_latest.
+        base = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+        logs = os.path.join(base, "ray", "session_latest", "logs")
+        why = str(error).rstrip(". ")
         raise RayClusterError(
-            f"could not connect to {where}: {error}. Check ray_address (or RAY_ADDRESS), or "
-            "leave both unset to start a local cluster for the launch."
+            f"could not start a local Ray cluster for the launch: {why}. Ray's logs in {logs} "
+            "say why; on a busy machine its raylet gives up when its own agents start slowly "
+            "(raylet.out: 'Timed out waiting for file'), and running the launch again helps."
         ) from error
     return ray
 
@@ -394,8 +492,7 @@ def _shutdown() -> None:
     global _started_here
     import ray
 
-    with contextlib.suppress(Exception):
-        ray.shutdown()
+    ray_local.shutdown(ray)
     _started_here = False
 
 
