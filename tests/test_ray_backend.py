@@ -319,10 +319,17 @@ def test_ray_ranks_output_and_failure_show_in_the_notebook_cell():
             os.environ["RAY_TMPDIR"] = {temp_dir!r}
             from notebook_launcher import notebook_launcher
 
+            import pathlib, time
+            said = pathlib.Path({temp_dir!r}) / "rank0-said-hello"
+
             def greet():
-                print("hello from rank", os.environ["RANK"])
+                if os.environ["RANK"] == "1":
+                    while not said.exists():  # rank 0 is not stopped before it spoke
+                        time.sleep(0.05)
+                print("hello from rank", os.environ["RANK"], flush=True)
                 if os.environ["RANK"] == "1":
                     raise ValueError("rank 1 is unhappy")
+                said.touch()
             """
         )
         assert setup.error is None, setup.error
