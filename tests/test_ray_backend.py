@@ -310,6 +310,8 @@ def test_ray_ranks_output_and_failure_show_in_the_notebook_cell():
     from .kernel_driver import RunningKernel
 
     temp_dir = tempfile.mkdtemp(prefix="nlray")  # Ray's socket paths must stay under 107 bytes
+    fifo = os.path.join(temp_dir, "printed")
+    os.mkfifo(fifo)
     kernel = RunningKernel()
     try:
         setup = kernel.run(
@@ -320,8 +322,12 @@ def test_ray_ranks_output_and_failure_show_in_the_notebook_cell():
             from notebook_launcher import notebook_launcher
 
             def greet():
-                print("hello from rank", os.environ["RANK"])
-                if os.environ["RANK"] == "1":
+                print("hello from rank", os.environ["RANK"], flush=True)
+                # Rank 1 fails once rank 0 has written its line: the failure stops rank 0 at once.
+                if os.environ["RANK"] == "0":
+                    open({fifo!r}, "w").close()
+                else:
+                    open({fifo!r}).read()
                     raise ValueError("rank 1 is unhappy")
             """
         )
