@@ -310,6 +310,8 @@ def test_ray_ranks_output_and_failure_show_in_the_notebook_cell():
     from .kernel_driver import RunningKernel
 
     temp_dir = tempfile.mkdtemp(prefix="nlray")  # Ray's socket paths must stay under 107 bytes
+    fifo = os.path.join(temp_dir, "printed")
+    os.mkfifo(fifo)
     kernel = RunningKernel()
     try:
         setup = kernel.run(
@@ -319,17 +321,14 @@ def test_ray_ranks_output_and_failure_show_in_the_notebook_cell():
             os.environ["RAY_TMPDIR"] = {temp_dir!r}
             from notebook_launcher import notebook_launcher
 
-            import pathlib, time
-            said = pathlib.Path({temp_dir!r}) / "rank0-said-hello"
-
             def greet():
-                if os.environ["RANK"] == "1":
-                    while not said.exists():  # rank 0 is not stopped before it spoke
-                        time.sleep(0.05)
                 print("hello from rank", os.environ["RANK"], flush=True)
-                if os.environ["RANK"] == "1":
+                # Rank 1 fails once rank 0 has written its line: the failure stops rank 0 at once.
+                if os.environ["RANK"] == "0":
+                    open({fifo!r}, "w").close()
+                else:
+                    open({fifo!r}).read()
                     raise ValueError("rank 1 is unhappy")
-                said.touch()
             """
         )
         assert setup.error is None, setup.error
