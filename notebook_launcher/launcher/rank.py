@@ -329,8 +329,11 @@ def _no_input(prompt: object = "", *args: Any, **kwargs: Any) -> str:
 
 
 def _apply_kernel_state(spec: RankSpec) -> None:
-    os.environ.clear()
+    # Changed in place, never emptied: other threads of this process (a TPU v2/v3 process's
+    # second replica, torch_xla's own) may read the environment meanwhile.
     os.environ.update(spec.environ)
+    for name in [name for name in os.environ if name not in spec.environ]:
+        os.environ.pop(name, None)
     rank_env.accelerate_sees_every_cpu_rank()
     with contextlib.suppress(OSError):
         os.chdir(spec.cwd)
