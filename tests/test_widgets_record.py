@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from notebook_launcher.errors import RankFailure
 from notebook_launcher.launcher.events import (
+    GroupRestarting,
     LaunchFinished,
     LaunchStarted,
     OutputLine,
@@ -54,6 +57,34 @@ def test_rows_go_from_starting_to_running_to_their_final_state_with_times():
     assert record.rows[0].state == "done" and record.rows[0].elapsed(clock.now) == 2.5
     assert record.rows[1].state == "failed"
     assert record.rows[1].error == "ValueError: learning rate 10.0 is too large"
+
+
+def test_rows_count_time_from_the_launchs_start_before_their_rank_process_exists():
+    clock = Clock()
+    record = LaunchRecord(clock)
+    record.apply(LaunchStarted(2, "forkserver", "cpu", "no", None))
+    clock.now += 3.0  # the kernel imports torch, a forkserver starts: no rank process yet
+    assert [(row.state, row.elapsed(clock.now)) for row in record.rows.values()] == [("starting", 3.0)] * 2
+    assert views.rows_html(record, clock.now).count(">3.0 s</td>") == 2
+    record.apply(RankStarted(0, 1000, "cpu"))
+    clock.now += 1.0
+    assert (record.rows[0].state, record.rows[0].elapsed(clock.now)) == ("running", 4.0)
+    record.apply(LaunchFinished("interrupted", 4.0))
+    assert (record.rows[0].state, record.rows[0].elapsed(clock.now)) == ("stopped", 4.0)
+    assert (record.rows[1].state, record.rows[1].elapsed(clock.now)) == ("not started", None)
+
+
+def test_a_restarted_rank_runs_on_with_its_time_moving():
+    clock = Clock()
+    record = LaunchRecord(clock)
+    started(record, clock)
+    clock.now += 1.0
+    record.apply(RankFinished(1, 1, failure(), "failed"))
+    record.apply(GroupRestarting(1, 3, failure(), "restart 1 of 3: rank 1 failed"))
+    record.apply(RankStarted(1, 1002, "cpu"))
+    clock.now += 2.0
+    assert (record.rows[1].state, record.rows[1].elapsed(clock.now)) == ("running", 3.0)
+    assert record.notice == "restart 1 of 3: rank 1 failed"
 
 
 def test_ranks_stopped_by_the_launcher_are_stopped_not_failed():
@@ -111,8 +142,8 @@ def test_metrics_become_one_curve_per_rank_and_metric_bounded_in_size():
     steps, _ = curve.points()
     assert steps[0] == 0 and steps[-1] == 3 * POINTS_KEPT - 1  # the whole range
     assert curve.calls == 3 * POINTS_KEPT
-    assert curve.steps == sorted(curve.steps)
-    assert record.curves[("loss", 1)].steps == [0.0]  # no step given: the call's index
+    assert list(curve.steps) == sorted(curve.steps)
+    assert list(record.curves[("loss", 1)].steps) == [0.0]  # no step given: the call's index
 
 
 def test_the_text_summary_has_every_rank_state_time_and_error():
@@ -166,3 +197,61 @@ def test_the_text_dashboard_prints_status_at_most_once_an_interval_then_the_summ
     assert status[0].startswith("notebook_launcher: 10.0 s: rank 0 running - loss=")
     assert lines[-3] == "notebook_launcher: 1 x cpu rank, fp32, fork: finished after 25.0 s"
     assert lines[-1].split()[:3] == ["0", "done", "cpu"]
+
+
+class Half:
+    """A value of the user's own type that Python can add to a float and convert to one."""
+
+    def __radd__(self, other: float) -> float:
+        return other + 0.5
+
+    def __float__(self) -> float:
+        return 0.5
+
+
+def metric_streams() -> dict[str, list[RankMetric]]:
+    import math
+    import random
+
+    chance = random.Random(7)
+    n = 3 * POINTS_KEPT + 11
+    plain = [RankMetric(i % 2, {"loss": 1 / (i + 1), "lr": 0.1}, i // 2) for i in range(n)]
+    no_step = [RankMetric(i % 3, {"loss": float(i)}, None) for i in range(n)]
+    odd_values = (math.nan, math.inf, -math.inf, 3, True, "text", 1e308, 10**400, Half())
+    mixed = [
+        RankMetric(
+            chance.randrange(4),
+            {
+                **({"loss": chance.choice(odd_values)} if chance.random() < 0.02 else {"loss": chance.random()}),
+                **({"val": 0.5} if i % 7 == 0 else {}),
+            },
+            None if chance.random() < 0.01 else i,
+        )
+        for i in range(n)
+    ]
+    # Two names shown alike ("loss" once its colour codes are removed) share one curve.
+    alike = [RankMetric(0, {"loss" if i % 3 else "\x1b[31mloss\x1b[0m": float(i)}, i) for i in range(n)]
+    return {"plain": plain, "no step": no_step, "mixed": mixed, "alike": alike}
+
+
+def kept(record: LaunchRecord) -> str:
+    """Everything the record keeps of metrics, NaN included (as text: nan is not nan)."""
+    curves = [
+        (key, list(c.steps), list(c.values), c.calls, c.stride, c.nonfinite, c.nonfinite_calls, c.last)
+        for key, c in sorted(record.curves.items())
+    ]
+    rows = [(rank, row.state, list(row.last_metrics.items())) for rank, row in sorted(record.rows.items())]
+    return repr((curves, rows))
+
+
+@pytest.mark.parametrize("stream", ["plain", "no step", "mixed", "alike"])
+def test_metrics_taken_in_batches_keep_what_one_by_one_keeps(stream):
+    events = metric_streams()[stream]
+    alone = LaunchRecord(Clock())
+    for event in events:
+        alone.apply(event)
+    for size in (2, 16, 256, 1000, 5000):
+        batched = LaunchRecord(Clock())
+        for start in range(0, len(events), size):
+            batched.apply_metrics(events[start : start + size])
+        assert kept(batched) == kept(alone), size

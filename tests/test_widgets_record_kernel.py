@@ -1,13 +1,14 @@
 """The lasting record in a real kernel: executed through nbclient, saved, read back and
-exported by nbconvert without a kernel; the first rows while ranks still run."""
+exported by nbconvert without a kernel; the first rows before any rank process exists."""
 
 from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
-import time
+from collections.abc import Iterator
 
 import nbformat
 import pytest
@@ -130,44 +131,82 @@ def test_nbconvert_html_shows_the_table_and_the_plot_without_a_kernel(saved):
     assert "<img src=x onerror" not in page
 
 
-def test_the_first_rows_say_running_while_the_function_still_runs(tmp_path):
+# A fresh interpreter started from the cell below waits for a file before it runs anything,
+# as one does that takes seconds to start and import torch on a busy machine: here the
+# forkserver, which must be up before the launcher has any rank process to start.
+START_GATE = """
+import os, time
+gate = os.environ.get("NL_TEST_START_GATE")
+while gate and not os.path.exists(gate):
+    time.sleep(0.01)
+"""
+_ROW = re.compile(r'<tr class="nl-rank nl-[\w-]+" data-rank="(\d+)"[^>]*>(.*?)</tr>', re.S)
+_CELL = re.compile(r"<td[^>]*>(.*?)</td>", re.S)
+_STATE = re.compile(r'class="nl-state"[^>]*>([^<]*)<')
+
+
+def shown_rows(table: str) -> dict[int, tuple[str, str]]:
+    """Each rank's state and elapsed time, as the dashboard's table shows them."""
+    rows = {}
+    for rank, row in _ROW.findall(table):
+        cells = _CELL.findall(row)
+        rows[int(rank)] = (_STATE.search(cells[1]).group(1), cells[2])
+    return rows
+
+
+def tables(kernel: RunningKernel, msg_id: str) -> Iterator[dict[int, tuple[str, str]]]:
+    """The rows of every table the cell's dashboard draws, in order (its first included)."""
+    while True:
+        message = kernel.client.get_iopub_msg(timeout=240)
+        if message["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = message["msg_type"], message["content"]
+        assert kind != "error", content
+        assert kind != "status" or content["execution_state"] != "idle", "the cell ended"
+        if kind in ("comm_open", "comm_msg"):
+            value = content["data"].get("state", {}).get("value", "")
+            if "<table" in value:
+                yield shown_rows(value)
+
+
+def test_rows_show_their_state_and_time_before_any_rank_process_exists(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(START_GATE)
+    start_gate, user_gate = tmp_path / "start", tmp_path / "user"
     kernel = RunningKernel()
-    gate = tmp_path / "go"
     try:
         msg_id = kernel.submit(
             f"""
             import os, time
             from notebook_launcher import notebook_launcher
-            def wait_for_gate():
-                while not os.path.exists({str(gate)!r}):
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [{str(tmp_path)!r}, os.environ.get("PYTHONPATH")]))
+            os.environ["NL_TEST_START_GATE"] = {str(start_gate)!r}
+            def waits():
+                while not os.path.exists({str(user_gate)!r}):
                     time.sleep(0.01)
-            notebook_launcher(wait_for_gate, num_processes=2)
+            notebook_launcher(waits, num_processes=2, start_method="forkserver")
             """
         )
-        deadline = time.monotonic() + 120
-        seen = ""
-        while seen.count("nl-rank nl-running") < 2:
-            assert time.monotonic() < deadline, seen
-            message = kernel.client.get_iopub_msg(timeout=120)
-            if message["parent_header"].get("msg_id") != msg_id:
-                continue
-            content = message["content"]
-            if message["msg_type"] == "comm_msg":
-                value = content["data"].get("state", {}).get("value", "")
-                if "<table" in value:
-                    seen = value
-            assert message["msg_type"] != "status" or content["execution_state"] != "idle", (
-                "ended before running"
-            )
-        assert (
-            not gate.exists()
-        )  # the ranks are still waiting: the row came from the running launch
-        assert "running for" in seen  # the headline: the launch is live, not finished
-        gate.touch()
+        shown = tables(kernel, msg_id)
+        # No rank process can exist yet: every row is there, starting, with its time moving on.
+        first = next(shown)
+        assert sorted(first) == [0, 1] and {state for state, _ in first.values()} == {"starting"}
+        assert all(elapsed.endswith(" s") for _, elapsed in first.values()), first
+        for rows in shown:
+            assert {state for state, _ in rows.values()} == {"starting"}, rows
+            if rows != first:
+                break  # a redraw: the time moved on
+        start_gate.touch()
+        # The ranks run, blocked in the function until the test has seen them running.
+        for rows in shown:
+            if {state for state, _ in rows.values()} == {"running"}:
+                break
+        assert all(elapsed.endswith(" s") for _, elapsed in rows.values()), rows
+        user_gate.touch()
         cell = kernel.collect(msg_id)
         assert cell.error is None, cell.error
     finally:
-        gate.touch()
+        start_gate.touch()
+        user_gate.touch()
         kernel.shutdown()
 
 

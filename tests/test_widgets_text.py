@@ -67,6 +67,7 @@ def train():
     for step in tqdm(range(20), mininterval=0, ascii=True):
         time.sleep(0.005)
         accelerator.log({"loss": 1.0 / (step + 1)}, step=step)
+    accelerator.wait_for_everyone()  # rank 0's loop is over before rank 1 fails and it is stopped
     if accelerator.process_index == 1:
         raise ValueError("rank 1 gives up")
     time.sleep(30)

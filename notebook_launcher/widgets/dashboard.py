@@ -1,8 +1,9 @@
 """The live launch dashboard in the cell, built from ipywidgets' own widgets.
 
 It is a launch observer: the launcher calls ``on_event`` from the cell's thread, which
-updates the widgets. Metric events only join a queue there (a rank may log hundreds of
-thousands of times); every other event updates the record. Widgets are redrawn at most a
+updates the widgets. Metric events only join their rank's queue there (a rank may log
+hundreds of thousands of times), and are taken into the record by batches, each metric's
+values as one column; every other event updates the record. Widgets are redrawn at most a
 few times a second, the plot (an SVG string drawn by ``plot``) at most once a second, so
 a rank that logs or prints thousands of times a second cannot flood the frontend or slow
 the launch. A small ticker thread, alive only while the launch runs and serialised with
@@ -47,7 +48,9 @@ PLOT_INTERVAL_S = 1.0
 PLOT_COST_FACTOR = 5.0
 OUTPUT_LINES_SHOWN = 400
 TICK_S = 0.25  # how stale the dashboard may get while no event arrives
-METRICS_BATCH = 256  # metric events queued before the cell's thread takes them in
+# Metric events queued before the cell's thread takes them in: fewer than the garbage
+# collector's first threshold (700 new objects), so a batch is freed before it is traversed.
+METRICS_BATCH = 256
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
 
 
@@ -74,7 +77,8 @@ class WidgetDashboard:
         self._tick_s = tick_s
         self._stopping = threading.Event()
         self._ticker: threading.Thread | None = None
-        self._metrics: collections.deque[RankMetric] = collections.deque()
+        self._metrics: dict[int, collections.deque[RankMetric]] = {}  # by rank, in order
+        self._batch = METRICS_BATCH  # per rank: all ranks together queue at most METRICS_BATCH
         self._shown = {"rows": -1, "output": -1, "curves": 0}
         self._last = {"rows": 0.0, "output": 0.0, "plot": 0.0}
         self._plot_cost = 0.0
@@ -83,12 +87,15 @@ class WidgetDashboard:
         self.ticker_cpu_s = 0.0  # what the ticker thread spent, for benchmarks
 
     def on_event(self, event: LaunchEvent) -> None:
-        if event.__class__ is RankMetric:  # the hot path: queued, taken in by the batch
-            pending = self._metrics
+        if event.__class__ is RankMetric:  # the hot path: queued by rank, taken in by batches
+            try:
+                pending = self._metrics[event.rank]
+            except KeyError:
+                pending = self._queue_for(event.rank)
             pending.append(event)
             # Taken in here once a batch is queued (unless the ticker is drawing): events
             # kept alive longer would be promoted by the garbage collector and cost more.
-            if len(pending) >= METRICS_BATCH and self._lock.acquire(blocking=False):
+            if len(pending) >= self._batch and self._lock.acquire(blocking=False):
                 try:
                     self._take_metrics()
                 except Exception as error:  # never the launch's problem
@@ -130,12 +137,26 @@ class WidgetDashboard:
                 stacklevel=2,
             )
 
-    def _take_metrics(self) -> None:
-        pending = self._metrics
-        if pending:
-            # Taken out in one go: what arrives meanwhile waits for the next call.
-            taken = [pending.popleft() for _ in range(len(pending))]
-            self.record.apply_metrics(taken)
+    def _queue_for(self, rank: int) -> collections.deque[RankMetric]:
+        queue = self._metrics[rank] = collections.deque()
+        self._batch = max(1, METRICS_BATCH // len(self._metrics))
+        return queue
+
+    def _take_metrics(self, in_cell_thread: bool = True) -> None:
+        """Apply the queued metric events (with the lock held).
+
+        The cell's thread, the only one that appends, takes each queue at once; the
+        ticker pops what is there, since an event may be appended meanwhile.
+        """
+        for rank, pending in list(self._metrics.items()):
+            if not pending:
+                continue
+            if in_cell_thread:
+                taken = list(pending)
+                pending.clear()
+            else:
+                taken = [pending.popleft() for _ in range(len(pending))]
+            self.record.apply_rank_metrics(rank, taken)
 
     # ---- the ticker ---------------------------------------------------------------------
     def _start_ticker(self) -> None:
@@ -158,7 +179,7 @@ class WidgetDashboard:
                 if self.record.finished:
                     return
                 try:
-                    self._take_metrics()
+                    self._take_metrics(in_cell_thread=False)
                     if not self._broken:
                         self._refresh()
                 except Exception as error:  # reported by the cell's thread at its next event

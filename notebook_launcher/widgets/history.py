@@ -39,11 +39,13 @@ def launches() -> list[dict[str, Any]]:
     Each is a dict: ``outcome`` ("ok", "failed", "timeout", "interrupted", ...),
     ``elapsed`` (s), ``started_at`` / ``ended_at`` (seconds since the epoch),
     ``num_processes``, ``accelerator``, ``mixed_precision``, ``start_method``, ``ranks``
-    (one dict per rank: ``state``, ``elapsed``, ``exitcode``, ``error``, ``traceback``,
-    ``progress``, ``last_metrics``, ...) and ``metrics``
+    (one dict per rank: ``state``, ``elapsed`` (from the launch's start), ``exitcode``,
+    ``error``, ``traceback``, ``progress``, ``last_metrics`` (each metric's last value,
+    exactly), ...) and ``metrics``
     (``{name: {rank: {"steps": [...], "values": [...], "logged": n}}}``; past 4,000
-    points a curve keeps an evenly thinned subset, ``logged`` counts them all). Only
-    launches run with a dashboard (the default) are kept, the last 20.
+    points a curve keeps an evenly thinned subset that always ends with the last point
+    logged, ``logged`` counts them all). Only launches run with a dashboard (the
+    default) are kept, the last 20.
     """
     with _lock:
         records = list(_records)

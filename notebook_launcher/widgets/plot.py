@@ -227,12 +227,13 @@ def _panel(
 
 def _sample(curve: Curve) -> list[tuple[float, float]]:
     """At most POINTS_DRAWN points, always the last, and every non-finite one kept."""
-    steps, values = curve.points()
+    steps, values = curve.steps, curve.values  # read in place: only the points drawn are copied
     n = len(values)
-    every = max(1, math.ceil(n / POINTS_DRAWN))
-    picked = [(steps[i], values[i]) for i in range(0, n, every)]
-    if n and picked[-1][0] != steps[-1]:
-        picked.append((steps[-1], values[-1]))
+    every = max(1, math.ceil((n + (curve.last is not None)) / POINTS_DRAWN))
+    picked = list(zip(steps[::every], values[::every]))
+    last = curve.last if curve.last is not None else (steps[-1], values[-1]) if n else None
+    if last is not None and (not picked or picked[-1][0] != last[0]):
+        picked.append(last)
     if every > 1:
         taken = {step for step, _ in picked}
         odd = [(s, v) for s, v in curve.nonfinite if s not in taken]
