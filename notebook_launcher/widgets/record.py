@@ -83,7 +83,7 @@ class Progress:
 class Steps(Protocol):
     """Steps of metric values in the order logged (None: logged without one), by slices."""
 
-    def __getitem__(self, part: slice, /) -> Sequence[float | None]: ...
+    def __getitem__(self, part: slice, /) -> Sequence[int | None]: ...
 
 
 def _points_array() -> MutableSequence[float]:
