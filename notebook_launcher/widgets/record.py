@@ -40,7 +40,7 @@ OUTPUT_LINES_KEPT = 2000  # per rank; the cell's own output keeps everything
 # stay bounded however long a rank logs, and the curve keeps its shape.
 POINTS_KEPT = 4000
 NONFINITE_KEPT = 200  # NaN/inf points kept per curve besides the thinned ones, to mark them
-# Past this many metric events at once, they are taken in column by column (see apply_metrics).
+# Past this many metric events at once, they are taken in column by column (see apply_rank_metrics).
 BY_COLUMN_FROM = 16
 _PLAIN_NUMBERS = {float, int, bool}  # values a column may hold to be taken in as one
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-_]")
@@ -333,9 +333,7 @@ class LaunchRecord:
                 row.state = "running"
             last = row.last_metrics
             for name, value in metric.values.items():
-                curve = by_raw.get((name, rank))
-                if curve is None:
-                    curve = by_raw[(name, rank)] = self._curve(name, rank)
+                curve = by_raw.get((name, rank)) or self._new_curve(name, rank)
                 if type(value) is not float:
                     value = _as_float(value)
                 curve.add(step, value)
@@ -391,7 +389,6 @@ class LaunchRecord:
     def shown_curves(self) -> dict[tuple[str, int], Curve]:
         """The curves by the names they are shown under (metric names cleaned)."""
         return self.curves
-
 
 
 class _StepsOf:
