@@ -231,7 +231,7 @@ def _sample(curve: Curve) -> list[tuple[float, float]]:
     n = len(values)
     every = max(1, math.ceil((n + (curve.last is not None)) / POINTS_DRAWN))
     picked = list(zip(steps[::every], values[::every]))
-    last = curve.last if curve.last is not None else (steps[-1], values[-1]) if n else None
+    last = curve.latest()
     if last is not None and (not picked or picked[-1][0] != last[0]):
         picked.append(last)
     if every > 1:

@@ -106,6 +106,12 @@ class Curve:
             return list(self.steps), list(self.values)
         return [*self.steps, self.last[0]], [*self.values, self.last[1]]
 
+    def latest(self) -> tuple[float, float] | None:
+        """The latest point logged (kept among the points or not); None before any."""
+        if self.last is not None:
+            return self.last
+        return (self.steps[-1], self.values[-1]) if self.values else None
+
     def add(self, step: int | None, value: float) -> None:
         calls = self.calls
         self.calls = calls + 1
