@@ -30,6 +30,21 @@ def emit(rank: int, step: int | None, values: dict[str, Any]) -> None:
         sink(rank, step, values)
 
 
+# A sink may hold metrics back for a moment to send them in batches; the training core
+# flushes before it blocks (a barrier), where a rank may wait long or be stopped.
+_flushes: list[Callable[[], None]] = []
+
+
+def add_metric_flush(flush: Callable[[], None]) -> None:
+    if flush not in _flushes:
+        _flushes.append(flush)
+
+
+def flush_metrics() -> None:
+    for flush in list(_flushes):
+        flush()
+
+
 # Progress of the training core's tqdm bars, by the same route: (rank, n, total, description).
 ProgressSink = Callable[[int, int, "int | None", str], None]
 

@@ -401,23 +401,54 @@ def log_losses():
 
     accelerator = Accelerator()
     for step in range(3):
-        accelerator.log({"loss": (accelerator.process_index + 1) / (step + 1)}, step=step)
+        # Values that are not floats stay with the trackers: the plot gets the numbers.
+        accelerator.log({"loss": (accelerator.process_index + 1) / (step + 1), "note": "text", "huge": 10**400}, step=step)
+    for step in range(3, 20_003):  # a tight loop: its calls travel in batches
+        accelerator.log({"lr": 0.5}, step=step)
 
 
 def test_what_ranks_log_reaches_the_launch_observers(leak_check):
-    from notebook_launcher.launcher.events import RankMetric
+    from notebook_launcher.launcher.events import RankMetrics
 
     class Collector:
         def __init__(self):
             self.metrics = []
+            self.events = 0
 
         def on_event(self, event):
-            if isinstance(event, RankMetric):
-                self.metrics.append((event.rank, event.step, event.values))
+            if isinstance(event, RankMetrics):
+                self.events += 1
+                self.metrics += [(event.rank, *call) for call in zip(event.batch.steps, event.batch.calls())]
 
     collector = Collector()
     notebook_launcher(log_losses, num_processes=2, observers=[collector])
-    assert sorted(collector.metrics) == [
-        (0, 0, {"loss": 1.0}), (0, 1, {"loss": 0.5}), (0, 2, {"loss": 1 / 3}),
-        (1, 0, {"loss": 2.0}), (1, 1, {"loss": 1.0}), (1, 2, {"loss": 2 / 3}),
-    ]
+    for rank in range(2):
+        calls = [call[1:] for call in collector.metrics if call[0] == rank]  # in the order logged
+        assert calls[:3] == [(0, {"loss": rank + 1.0}), (1, {"loss": (rank + 1) / 2}), (2, {"loss": (rank + 1) / 3})]
+        assert calls[3:] == [(step, {"lr": 0.5}) for step in range(3, 20_003)]
+    assert collector.events < 20_006 // 10  # not an event per call
+
+
+def log_odd_steps():
+    import torch
+
+    from notebook_launcher import Accelerator
+
+    accelerator = Accelerator()
+    for step in (lambda: 0, torch.tensor(4), 2.5, "7"):  # a lambda cannot even be pickled
+        accelerator.log({"loss": 1.0}, step=step)
+    return "done"
+
+
+def test_a_step_that_is_no_number_is_dropped_and_the_result_still_arrives(leak_check):
+    from notebook_launcher.launcher.events import RankMetrics
+
+    steps: dict[int, list[object]] = {0: [], 1: []}
+
+    class Collector:
+        def on_event(self, event):
+            if isinstance(event, RankMetrics):
+                steps[event.rank] += event.batch.steps
+
+    assert notebook_launcher(log_odd_steps, num_processes=2, observers=[Collector()], return_all=True) == ["done"] * 2
+    assert steps == {0: [None, 4, 2.5, None], 1: [None, 4, 2.5, None]}

@@ -13,13 +13,13 @@ from notebook_launcher.launcher.events import (
     LaunchStarted,
     OutputLine,
     RankFinished,
-    RankMetric,
     RankStarted,
 )
 from notebook_launcher.widgets import history
-from notebook_launcher.widgets.dashboard import DashboardWarning, WidgetDashboard
+from notebook_launcher.widgets.dashboard import SHOW_AFTER_S, DashboardWarning, WidgetDashboard
 from notebook_launcher.widgets.plot import render_svg
 from notebook_launcher.widgets.record import Curve
+from tests.metric_events import logged
 
 
 class Clock:
@@ -54,7 +54,7 @@ def fresh_history():
 @pytest.fixture
 def board(capsys):
     clock = Clock()
-    dashboard = WidgetDashboard(clock, tick_s=None)  # redraws driven by events only
+    dashboard = WidgetDashboard(clock, tick_s=None, show_after_s=0)  # redraws driven by events only
     dashboard.on_event(LaunchStarted(2, "fork", "cpu", "no", None))
     for rank in range(2):
         dashboard.on_event(RankStarted(rank, 1000 + rank, "cpu"))
@@ -74,7 +74,7 @@ def test_a_fast_loop_is_drawn_a_few_times_a_second_not_per_event(board):
     outputs = count_changes(dashboard.outputs[0])
     for step in range(10_000):  # 1,000 metrics and 1,000 lines a second for 10 s
         clock.now += 0.001
-        dashboard.on_event(RankMetric(step % 2, {"loss": 1 / (step + 1)}, step // 2))
+        dashboard.on_event(logged(step % 2, {"loss": 1 / (step + 1)}, step // 2))
         dashboard.on_event(OutputLine(0, "stdout", f"step {step}", False))
     assert 1 <= len(plot) <= 11  # at most once a second (less when drawing is slow)
     assert len(rows) <= 41  # at most four times a second
@@ -84,7 +84,7 @@ def test_a_fast_loop_is_drawn_a_few_times_a_second_not_per_event(board):
 
 def test_the_final_state_is_drawn_at_once_and_stays(board):
     dashboard, clock = board
-    dashboard.on_event(RankMetric(0, {"loss": 0.5}, 0))
+    dashboard.on_event(logged(0, {"loss": 0.5}, 0))
     dashboard.on_event(OutputLine(1, "stdout", "about to fail", False))
     clock.now += 0.01  # within every throttle interval: only the final event draws
     failure = RankFailure(1, 1001, 1, "ValueError", "bad batch", "Traceback ...")
@@ -119,7 +119,7 @@ def test_a_dashboard_failure_warns_once_and_never_ends_the_launch(board, monkeyp
 
     monkeypatch.setattr("notebook_launcher.widgets.dashboard.render_svg", broken)
     clock.now += 5
-    dashboard.on_event(RankMetric(0, {"loss": 0.5}, 0))
+    dashboard.on_event(logged(0, {"loss": 0.5}, 0))
     with pytest.warns(DashboardWarning, match="The launch dashboard stopped updating because of RuntimeError: frontend gone"):
         dashboard.on_event(OutputLine(0, "stdout", "still training", False))
     dashboard.on_event(RankFinished(0, 0, None))
@@ -134,7 +134,7 @@ def test_what_the_throttle_held_back_is_drawn_while_ranks_are_silent(capsys):
     import threading
     import time
 
-    dashboard = WidgetDashboard(tick_s=0.05)
+    dashboard = WidgetDashboard(tick_s=0.05, show_after_s=0)
     dashboard.on_event(LaunchStarted(1, "fork", "cpu", "no", None))
     dashboard.on_event(RankStarted(0, 1000, "cpu"))
     dashboard.on_event(OutputLine(0, "stdout", "first", False))
@@ -154,3 +154,37 @@ def test_the_plot_has_one_panel_per_metric_and_grows_with_them():
     one = render_svg({("loss", 0): Curve([0, 1], [1.0, 0.5], 2), ("loss", 1): Curve([0, 1], [1.1, 0.4], 2)})
     three = render_svg({(name, 0): Curve([0, 1], [1.0, 0.5], 2) for name in ("loss", "lr", "accuracy")})
     assert svg_width(three.svg) > 2 * svg_width(one.svg)
+
+
+def test_a_launch_over_before_its_widgets_are_due_shows_its_record_alone(monkeypatch):
+    shown: list[dict] = []
+    monkeypatch.setattr("IPython.display.display", lambda bundle, **options: shown.append(bundle))
+    clock = Clock()
+    dashboard = WidgetDashboard(clock, tick_s=None)
+    dashboard.on_event(LaunchStarted(2, "fork", "cpu", "no", None))
+    for rank in range(2):
+        dashboard.on_event(RankStarted(rank, 1000 + rank, "cpu"))
+    dashboard.on_event(logged(0, {"loss": 0.5}, 0))
+    clock.now += SHOW_AFTER_S / 2
+    for rank in range(2):
+        dashboard.on_event(RankFinished(rank, 0, None))
+    dashboard.on_event(LaunchFinished("ok", SHOW_AFTER_S / 2))
+    assert dashboard.box is None  # no widget was built, none is left to close
+    assert dashboard.final_html.count("nl-done") == 2 and "<svg" in dashboard.final_html
+    (bundle,) = shown  # displayed once: the record, no widget
+    assert bundle["text/html"] == dashboard.final_html and "finished after" in bundle["text/plain"]
+
+
+def test_the_widgets_appear_with_the_first_event_once_they_are_due(capsys):
+    clock = Clock()
+    dashboard = WidgetDashboard(clock, tick_s=None)
+    dashboard.on_event(LaunchStarted(1, "fork", "cpu", "no", None))
+    dashboard.on_event(RankStarted(0, 1000, "cpu"))
+    assert dashboard.box is None
+    clock.now += SHOW_AFTER_S
+    dashboard.on_event(OutputLine(0, "stdout", "epoch 1", False))
+    assert dashboard.box is not None and "nl-running" in dashboard.rows.value
+    dashboard.on_event(RankFinished(0, 0, None))
+    dashboard.on_event(LaunchFinished("ok", SHOW_AFTER_S))
+    assert "nl-done" in dashboard.final_html
+    capsys.readouterr()

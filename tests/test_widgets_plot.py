@@ -14,7 +14,6 @@ from notebook_launcher.launcher.events import (
     LaunchStarted,
     OutputLine,
     RankFinished,
-    RankMetric,
     RankStarted,
 )
 from notebook_launcher.widgets import history
@@ -22,6 +21,7 @@ from notebook_launcher.widgets.plot import render_svg
 from notebook_launcher.widgets.record import LaunchRecord, clean_text
 from notebook_launcher.widgets.static import record_html
 from notebook_launcher.widgets.text import TextDashboard
+from tests.metric_events import logged
 
 HOSTILE = [
     "$\\frac$",
@@ -47,7 +47,7 @@ def launched(
     for rank in range(ranks):
         record.apply(RankStarted(rank, 100 + rank, "cpu"))
     for rank, values, step in metrics:
-        record.apply(RankMetric(rank, values, step))
+        record.apply(logged(rank, values, step))
     return record
 
 
@@ -155,7 +155,7 @@ def test_launches_returns_the_kept_records_as_plain_data():
     board = TextDashboard(stream=open("/dev/null", "w"))
     board.on_event(LaunchStarted(1, "fork", "cpu", "no", None))
     board.on_event(RankStarted(0, 100, "cpu"))
-    board.on_event(RankMetric(0, {"loss": 0.5}, 3))
+    board.on_event(logged(0, {"loss": 0.5}, 3))
     board.on_event(RankFinished(0, 0, None))
     board.on_event(LaunchFinished("ok", 1.5))
     from notebook_launcher import launches

@@ -13,13 +13,14 @@ from notebook_launcher.launcher.events import (
     LaunchStarted,
     OutputLine,
     RankFinished,
-    RankMetric,
+    RankMetrics,
     RankProgress,
     RankStarted,
 )
 from notebook_launcher.widgets import html as views
 from notebook_launcher.widgets.record import POINTS_KEPT, LaunchRecord, failure_line
 from notebook_launcher.widgets.text import TextDashboard, summary
+from tests.metric_events import in_batches, logged
 
 
 class Clock:
@@ -134,8 +135,8 @@ def test_metrics_become_one_curve_per_rank_and_metric_bounded_in_size():
     record = LaunchRecord(Clock())
     started(record, None)
     for step in range(3 * POINTS_KEPT):
-        record.apply(RankMetric(0, {"loss": 1 / (step + 1), "lr": 0.1}, step))
-    record.apply(RankMetric(1, {"loss": 0.5}, None))
+        record.apply(logged(0, {"loss": 1 / (step + 1), "lr": 0.1}, step))
+    record.apply(logged(1, {"loss": 0.5}, None))
     assert set(record.curves) == {("loss", 0), ("lr", 0), ("loss", 1)}
     curve = record.curves[("loss", 0)]
     assert len(curve.values) <= POINTS_KEPT
@@ -151,7 +152,7 @@ def test_the_text_summary_has_every_rank_state_time_and_error():
     record = LaunchRecord(clock)
     started(record, clock)
     record.apply(OutputLine(0, "stdout", "epoch 4: loss 0.01", False))
-    record.apply(RankMetric(0, {"loss": 0.0123456}, 4))
+    record.apply(logged(0, {"loss": 0.0123456}, 4))
     clock.now += 1.25
     record.apply(RankFinished(1, 1, failure(), "failed"))
     record.apply(RankFinished(0, -15, None, "stopped"))
@@ -188,7 +189,7 @@ def test_the_text_dashboard_prints_status_at_most_once_an_interval_then_the_summ
     board.on_event(RankStarted(0, 1000, "cpu"))
     for step in range(1000):  # 1,000 metrics in 25 s
         clock.now += 0.025
-        board.on_event(RankMetric(0, {"loss": 1.0 / (step + 1)}, step))
+        board.on_event(logged(0, {"loss": 1.0 / (step + 1)}, step))
     board.on_event(RankFinished(0, 0, None))
     board.on_event(LaunchFinished("ok", 25.0))
     lines = out.getvalue().splitlines()
@@ -209,17 +210,17 @@ class Half:
         return 0.5
 
 
-def metric_streams() -> dict[str, list[RankMetric]]:
+def metric_streams() -> dict[str, list[RankMetrics]]:
     import math
     import random
 
     chance = random.Random(7)
     n = 3 * POINTS_KEPT + 11
-    plain = [RankMetric(i % 2, {"loss": 1 / (i + 1), "lr": 0.1}, i // 2) for i in range(n)]
-    no_step = [RankMetric(i % 3, {"loss": float(i)}, None) for i in range(n)]
+    plain = [logged(i % 2, {"loss": 1 / (i + 1), "lr": 0.1}, i // 2) for i in range(n)]
+    no_step = [logged(i % 3, {"loss": float(i)}, None) for i in range(n)]
     odd_values = (math.nan, math.inf, -math.inf, 3, True, "text", 1e308, 10**400, Half())
     mixed = [
-        RankMetric(
+        logged(
             chance.randrange(4),
             {
                 **({"loss": chance.choice(odd_values)} if chance.random() < 0.02 else {"loss": chance.random()}),
@@ -230,7 +231,7 @@ def metric_streams() -> dict[str, list[RankMetric]]:
         for i in range(n)
     ]
     # Two names shown alike ("loss" once its colour codes are removed) share one curve.
-    alike = [RankMetric(0, {"loss" if i % 3 else "\x1b[31mloss\x1b[0m": float(i)}, i) for i in range(n)]
+    alike = [logged(0, {"loss" if i % 3 else "\x1b[31mloss\x1b[0m": float(i)}, i) for i in range(n)]
     return {"plain": plain, "no step": no_step, "mixed": mixed, "alike": alike}
 
 
@@ -252,6 +253,6 @@ def test_metrics_taken_in_batches_keep_what_one_by_one_keeps(stream):
         alone.apply(event)
     for size in (2, 16, 256, 1000, 5000):
         batched = LaunchRecord(Clock())
-        for start in range(0, len(events), size):
-            batched.apply_metrics(events[start : start + size])
+        for batch in in_batches(events, size):
+            batched.apply(batch)
         assert kept(batched) == kept(alone), size

@@ -9,11 +9,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from notebook_launcher import tracking
 from notebook_launcher.accelerator import xla
 from notebook_launcher.errors import AcceleratorError
 
 
 def barrier(device_kind: str, local_rank: int) -> None:
+    tracking.flush_metrics()  # what was logged is out before this rank waits, maybe to be stopped
     if device_kind == "tpu" and xla.active():
         xla.rendezvous("notebook_launcher.wait_for_everyone")
         return

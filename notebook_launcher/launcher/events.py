@@ -11,6 +11,7 @@ import dataclasses
 from typing import Protocol, Union
 
 from notebook_launcher.errors import RankFailure
+from notebook_launcher.launcher.metric_batch import MetricBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +50,14 @@ class RankProgress:
 
 
 @dataclasses.dataclass(frozen=True)
-class RankMetric:
+class RankMetrics:
+    """``Accelerator.log`` calls of a rank, in order, their numbers as floats. Calls made
+    in quick succession come as one event, so a rank that logs in a tight loop costs
+    observers a few calls a second; ``batch.calls()`` gives one dict per call, and
+    ``batch.columns`` each metric's values as one array."""
+
     rank: int
-    values: dict[str, float]
-    step: int | None
+    batch: MetricBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +103,7 @@ LaunchEvent = Union[
     RankStarted,
     OutputLine,
     RankProgress,
-    RankMetric,
+    RankMetrics,
     RankFinished,
     GroupRestarting,
     RendezvousWaiting,

@@ -24,12 +24,13 @@ import cloudpickle
 
 from notebook_launcher import rank_env
 from notebook_launcher.errors import RankInputError
-from notebook_launcher.launcher.channel import Failure, Hello, Metric, Progress, RankMessage, Result
+from notebook_launcher.launcher.channel import Failure, Hello, Outbox, Progress, RankMessage, Result
 from notebook_launcher.launcher.descendants import end_descendants
+from notebook_launcher.launcher.metric_batch import numbers_of, step_of
 from notebook_launcher.launcher.store import SECRET_ENV, protect_env_rendezvous
-from notebook_launcher.tracking import add_metric_sink, add_progress_sink
+from notebook_launcher.tracking import add_metric_flush, add_metric_sink, add_progress_sink
 
-_channel: Connection | None = None
+_outbox: Outbox | None = None  # this rank's end of the channel
 _forked = False  # started by fork: the kernel's __main__ is this process's __main__
 
 
@@ -69,8 +70,8 @@ class RankEnds:
 
 def send(message: RankMessage) -> None:
     """Send a message to the launching kernel; a no-op outside a launched rank."""
-    if _channel is not None:
-        _channel.send(message)
+    if _outbox is not None:
+        _outbox.send(message)
 
 
 def run_rank(
@@ -79,15 +80,15 @@ def run_rank(
     ends: RankEnds,
 ) -> None:
     """Process target: become a clean rank, run the function, report how it ended."""
-    global _channel, _forked
-    channel = ends.channel
-    _channel = channel
+    global _outbox, _forked
+    outbox = _outbox = Outbox(ends.channel)
     _forked = not isinstance(payload, bytes)
-    channel.send(Hello(os.getpid()))
+    outbox.send(Hello(os.getpid()))
     if not spec.return_when_done:  # a pool worker of someone else's (torch_xla) needs its pipes
         _close_inherited_descriptors(ends)
     _normal_builtins()
     add_metric_sink(_forward_metric)
+    add_metric_flush(_flush_metrics)
     add_progress_sink(_forward_progress)
     _detach_from_kernel()
     _redirect_output(ends.stdout, ends.stderr)
@@ -116,7 +117,7 @@ def run_rank(
         _report_failure(wrapped)
         _exit(1)
     _release_process_group()
-    channel.send(result)
+    outbox.send(result)  # after the metrics still waiting to leave
     if spec.return_when_done:
         _flush()
         return
@@ -162,14 +163,16 @@ def _is_main_global(cls: type) -> bool:
     return cls.__module__ == "__main__" and getattr(main, cls.__qualname__, None) is cls
 
 
-def _forward_metric(rank: int, step: int | None, values: dict[str, Any]) -> None:
+def _forward_metric(rank: int, step: Any, values: dict[str, Any]) -> None:
     """What ``Accelerator.log`` records travels to the kernel (for a live plot)."""
-    numbers: dict[str, float] = {}
-    for name, value in values.items():
-        with contextlib.suppress(TypeError, ValueError, RuntimeError):
-            numbers[name] = float(value)
-    if numbers:
-        send(Metric(numbers, step))
+    numbers = numbers_of(values)
+    if numbers and _outbox is not None:
+        _outbox.log(step_of(step), numbers)
+
+
+def _flush_metrics() -> None:
+    if _outbox is not None:
+        _outbox.flush()
 
 
 def _forward_progress(rank: int, n: int, total: int | None, description: str) -> None:

@@ -36,16 +36,17 @@ from notebook_launcher.launcher.backends.base import (
     RankEnds,
     RankTarget,
 )
-from notebook_launcher.launcher.channel import Failure, Hello, Metric, Progress, Result
+from notebook_launcher.launcher.channel import Failure, Hello, Progress, Result
 from notebook_launcher.launcher.events import (
     LaunchEvent,
     OutputLine,
     RankFinished,
-    RankMetric,
+    RankMetrics,
     RankProgress,
     RankStarted,
 )
 from notebook_launcher.launcher.lines import LineSplitter
+from notebook_launcher.launcher.metric_batch import MetricBatch
 from notebook_launcher.launcher.plan import LaunchPlan
 from notebook_launcher.launcher.rank import RankSpec, run_rank
 
@@ -359,8 +360,8 @@ class RankGroup:
             rank.messages.append(message)
         elif isinstance(message, Progress):
             self._emit(RankProgress(rank.rank, message.n, message.total, message.description))
-        elif isinstance(message, Metric):
-            self._emit(RankMetric(rank.rank, message.values, message.step))
+        elif isinstance(message, MetricBatch):
+            self._emit(RankMetrics(rank.rank, message))
         elif self._on_message is not None:
             self._on_message(rank, message)
 

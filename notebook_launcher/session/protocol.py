@@ -1,7 +1,7 @@
 """The typed messages between the kernel and the ranks of a session.
 
 Commands travel kernel -> rank on each rank's command pipe; replies travel back on the
-rank's structured channel (the launcher's, beside Result / Failure / Progress / Metric),
+rank's structured channel (the launcher's, beside Result / Failure / Progress / Metrics),
 so a session reuses the launcher's output and message plumbing unchanged. Every command
 carries a sequence number; a reply answers exactly one command, so a late reply of an
 interrupted command is never mistaken for the answer to the next one.

@@ -1,14 +1,15 @@
 """The live launch dashboard in the cell, built from ipywidgets' own widgets.
 
 It is a launch observer: the launcher calls ``on_event`` from the cell's thread, which
-updates the widgets. Metric events only join their rank's queue there (a rank may log
-hundreds of thousands of times), and are taken into the record by batches, each metric's
-values as one column; every other event updates the record. Widgets are redrawn at most a
-few times a second, the plot (an SVG string drawn by ``plot``) at most once a second, so
-a rank that logs or prints thousands of times a second cannot flood the frontend or slow
-the launch. A small ticker thread, alive only while the launch runs and serialised with
-the cell's thread by one lock, takes in the queued metrics, draws what the throttle held
-back and moves the elapsed times on.
+updates the widgets. A metric event carries the log calls a rank made in quick
+succession (a rank may log hundreds of thousands of times); they are taken into the
+record each metric's values as one column, or queued while the ticker draws. Every other
+event updates the record. Widgets are redrawn at most a few times a second, the plot (an
+SVG string drawn by ``plot``) at most once a second, so a rank that logs or prints
+thousands of times a second cannot flood the frontend or slow the launch. A small ticker
+thread, alive only while the launch runs and serialised with the cell's thread by one
+lock, takes in the queued metrics, draws what the throttle held back and moves the
+elapsed times on.
 
 When the launch ends, the widgets are replaced by the lasting record (``static``): plain
 HTML and an inline SVG that a saved notebook, nbconvert and GitHub's viewer show without
@@ -30,7 +31,7 @@ from notebook_launcher.launcher.events import (
     LaunchFinished,
     LaunchStarted,
     RankFinished,
-    RankMetric,
+    RankMetrics,
     RankStarted,
 )
 from notebook_launcher.widgets import history
@@ -48,9 +49,10 @@ PLOT_INTERVAL_S = 1.0
 PLOT_COST_FACTOR = 5.0
 OUTPUT_LINES_SHOWN = 400
 TICK_S = 0.25  # how stale the dashboard may get while no event arrives
-# Metric events queued before the cell's thread takes them in: fewer than the garbage
-# collector's first threshold (700 new objects), so a batch is freed before it is traversed.
-METRICS_BATCH = 256
+# The live widgets appear once a launch has run this long (at the ticker's first tick): a
+# launch over sooner shows its lasting record alone, since widgets replaced a moment later
+# would cost it more than they show.
+SHOW_AFTER_S = 0.2
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
 
 
@@ -62,7 +64,10 @@ class WidgetDashboard:
     shows_progress = True  # the launcher's printer then leaves out the bars' redraws
 
     def __init__(
-        self, clock: Callable[[], float] = time.monotonic, tick_s: float | None = TICK_S
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        tick_s: float | None = TICK_S,
+        show_after_s: float = SHOW_AFTER_S,
     ) -> None:
         import ipywidgets  # imported here: the launcher must import without it
 
@@ -75,10 +80,13 @@ class WidgetDashboard:
         self._error: Exception | None = None  # what broke it, until warned about
         self._lock = threading.Lock()
         self._tick_s = tick_s
+        self._show_after_s = show_after_s
+        self._show_at: float | None = None  # when the live widgets are built
+        self._models: list[Any] = []  # every widget model built, closed at the end
         self._stopping = threading.Event()
         self._ticker: threading.Thread | None = None
-        self._metrics: dict[int, collections.deque[RankMetric]] = {}  # by rank, in order
-        self._batch = METRICS_BATCH  # per rank: all ranks together queue at most METRICS_BATCH
+        # Metric events that came while the ticker was drawing, taken in after it.
+        self._metrics: collections.deque[RankMetrics] = collections.deque()
         self._shown = {"rows": -1, "output": -1, "curves": 0}
         self._last = {"rows": 0.0, "output": 0.0, "plot": 0.0}
         self._plot_cost = 0.0
@@ -87,15 +95,9 @@ class WidgetDashboard:
         self.ticker_cpu_s = 0.0  # what the ticker thread spent, for benchmarks
 
     def on_event(self, event: LaunchEvent) -> None:
-        if event.__class__ is RankMetric:  # the hot path: queued by rank, taken in by batches
-            try:
-                pending = self._metrics[event.rank]
-            except KeyError:
-                pending = self._queue_for(event.rank)
-            pending.append(event)
-            # Taken in here once a batch is queued (unless the ticker is drawing): events
-            # kept alive longer would be promoted by the garbage collector and cost more.
-            if len(pending) >= self._batch and self._lock.acquire(blocking=False):
+        if event.__class__ is RankMetrics:  # the hot path: taken in at once unless drawing
+            self._metrics.append(event)
+            if self._lock.acquire(blocking=False):
                 try:
                     self._take_metrics()
                 except Exception as error:  # never the launch's problem
@@ -113,9 +115,10 @@ class WidgetDashboard:
                         pass
                     elif isinstance(event, LaunchStarted):
                         self.previous = history.previous()
-                        self._build()
+                        self._show_at = self.record.now() + self._show_after_s
+                        self._build_when_due()
                         self._start_ticker()
-                    elif self.box is not None:
+                    elif self._build_when_due():
                         # A rank that starts or ends is shown at once; the rest is throttled.
                         self._refresh(rows_now=isinstance(event, (RankStarted, RankFinished)))
                 except Exception as error:  # a display problem must never end a training run
@@ -126,8 +129,7 @@ class WidgetDashboard:
                 self._take_metrics()
                 self.record.apply(event)  # the record ends even where drawing broke
                 history.keep(self.record)
-                if self.box is not None:
-                    self._finish()
+                self._finish()
         if self._error is not None:
             problem, self._error = self._error, None
             warnings.warn(
@@ -137,26 +139,15 @@ class WidgetDashboard:
                 stacklevel=2,
             )
 
-    def _queue_for(self, rank: int) -> collections.deque[RankMetric]:
-        queue = self._metrics[rank] = collections.deque()
-        self._batch = max(1, METRICS_BATCH // len(self._metrics))
-        return queue
+    def _take_metrics(self) -> None:
+        """Apply the queued metric events, in order (with the lock held).
 
-    def _take_metrics(self, in_cell_thread: bool = True) -> None:
-        """Apply the queued metric events (with the lock held).
-
-        The cell's thread, the only one that appends, takes each queue at once; the
-        ticker pops what is there, since an event may be appended meanwhile.
+        The cell's thread appends while the ticker may take: each event is popped alone.
         """
-        for rank, pending in list(self._metrics.items()):
-            if not pending:
-                continue
-            if in_cell_thread:
-                taken = list(pending)
-                pending.clear()
-            else:
-                taken = [pending.popleft() for _ in range(len(pending))]
-            self.record.apply_rank_metrics(rank, taken)
+        pending = self._metrics
+        while pending:
+            event = pending.popleft()
+            self.record.apply(event)
 
     # ---- the ticker ---------------------------------------------------------------------
     def _start_ticker(self) -> None:
@@ -179,8 +170,8 @@ class WidgetDashboard:
                 if self.record.finished:
                     return
                 try:
-                    self._take_metrics(in_cell_thread=False)
-                    if not self._broken:
+                    self._take_metrics()
+                    if not self._broken and self._build_when_due():
                         self._refresh()
                 except Exception as error:  # reported by the cell's thread at its next event
                     self._broken, self._error = True, error
@@ -193,6 +184,12 @@ class WidgetDashboard:
             self._ticker = None
 
     # ---- building ---------------------------------------------------------------------
+    def _build_when_due(self) -> bool:
+        """Build the live widgets once the launch has run ``show_after_s``; True once built."""
+        if self.box is None and self._show_at is not None and self.record.now() >= self._show_at:
+            self._build()
+        return self.box is not None
+
     def _build(self) -> None:
         w = self._widgets
         now = self.record.now()
@@ -245,7 +242,7 @@ class WidgetDashboard:
         """Replace the widgets by the lasting record, then let their models go."""
         drawn: Drawn | None = None
         problem: str | None = None
-        if not self._broken:
+        if not self._broken and self.box is not None:
             try:
                 self._refresh(rows_now=True, final=True)
             except Exception as error:
@@ -259,8 +256,15 @@ class WidgetDashboard:
             "text/html": self.final_html,
             "text/plain": summary(self.record, self.record.now()),
         }
-        if self._handle is not None:
-            self._handle.update(bundle, raw=True)
+        try:
+            if self._handle is not None:
+                self._handle.update(bundle, raw=True)
+            else:  # a launch over before its widgets were due
+                from IPython.display import display
+
+                display(bundle, raw=True)
+        except Exception as error:  # reported by on_event; the launch's outcome stands
+            self._broken, self._error = True, error
         for widget in self._models:
             try:
                 widget.close()

@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import array
 import collections
-import contextlib
 import dataclasses
-import itertools
-import math
-import operator
 import re
 import time
 from collections.abc import MutableSequence, Sequence
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from notebook_launcher.errors import RankFailure
 from notebook_launcher.launcher.events import (
@@ -26,10 +22,11 @@ from notebook_launcher.launcher.events import (
     LaunchStarted,
     OutputLine,
     RankFinished,
-    RankMetric,
+    RankMetrics,
     RankProgress,
     RankStarted,
 )
+from notebook_launcher.launcher.metric_batch import MetricBatch
 from notebook_launcher.widgets.progress_text import parse_progress_line
 
 RANK_STATES = ("starting", "running", "done", "failed", "stopped", "not started")
@@ -40,9 +37,6 @@ OUTPUT_LINES_KEPT = 2000  # per rank; the cell's own output keeps everything
 # stay bounded however long a rank logs, and the curve keeps its shape.
 POINTS_KEPT = 4000
 NONFINITE_KEPT = 200  # NaN/inf points kept per curve besides the thinned ones, to mark them
-# Past this many metric events at once, they are taken in column by column (see apply_rank_metrics).
-BY_COLUMN_FROM = 16
-_PLAIN_NUMBERS = {float, int, bool}  # values a column may hold to be taken in as one
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-_]")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
@@ -80,12 +74,6 @@ class Progress:
         return f"{self.description}: {text}" if self.description else text
 
 
-class Steps(Protocol):
-    """Steps of metric values in the order logged (None: logged without one), by slices."""
-
-    def __getitem__(self, part: slice, /) -> Sequence[int | None]: ...
-
-
 def _points_array() -> MutableSequence[float]:
     return array.array("d")  # 8 bytes a point, and nothing for the garbage collector to visit
 
@@ -112,7 +100,7 @@ class Curve:
             return self.last
         return (self.steps[-1], self.values[-1]) if self.values else None
 
-    def add(self, step: int | None, value: float) -> None:
+    def add(self, step: float | None, value: float) -> None:
         calls = self.calls
         self.calls = calls + 1
         if value - value != 0.0:  # NaN or inf, kept apart so that thinning never hides one
@@ -128,7 +116,7 @@ class Curve:
         if len(self.values) > POINTS_KEPT:
             self._thin()
 
-    def extend(self, values: list[float], steps: Steps) -> None:
+    def extend(self, values: Sequence[float], steps: Sequence[float | None]) -> None:
         """Finite numbers logged one after another, with their steps (None: logged without
         one), kept exactly as ``add`` called for each would keep them, by slices instead
         of a Python call per value: only the steps of the points kept are read."""
@@ -225,8 +213,8 @@ class LaunchRecord:
     def apply(self, event: LaunchEvent) -> None:
         if isinstance(event, OutputLine):
             self._on_output(event)
-        elif isinstance(event, RankMetric):
-            self._on_metric(event)
+        elif isinstance(event, RankMetrics):
+            self._on_metrics(event.rank, event.batch)
         elif isinstance(event, RankProgress):
             row = self._row(event.rank)
             row.progress = Progress(
@@ -296,80 +284,40 @@ class LaunchRecord:
         row.output_lines += 1
         self.output_version += 1
 
-    def _on_metric(self, metric: RankMetric) -> None:
-        self._metrics_one_by_one((metric,))
-        self.curves_version += 1
+    def _on_metrics(self, rank: int, batch: MetricBatch) -> None:
+        """Log calls of one rank, in order: the same result whether they come in one batch
+        or in many.
 
-    def apply_metrics(self, metrics: Sequence[RankMetric]) -> None:
-        """Many metric events at once, in the order they came, with the same result as
-        applying them one by one."""
-        by_rank: dict[int, list[RankMetric]] = {}
-        for metric in metrics:
-            events = by_rank.get(metric.rank)
-            if events is None:
-                by_rank[metric.rank] = [metric]
-            else:
-                events.append(metric)
-        for rank, events in by_rank.items():
-            self.apply_rank_metrics(rank, events)
-
-    def apply_rank_metrics(self, rank: int, metrics: list[RankMetric]) -> None:
-        """Metric events of one rank, in the order it logged them: the dashboard's fast
-        path for ranks that log a lot, with the same result as applying them one by one.
-
-        Each metric's values are read out as one column by C-level maps and kept by
-        slices, so a flood of log calls costs the cell's thread a fraction of a
-        microsecond per call. A column that holds NaN, inf or values other than numbers
-        is kept value by value.
+        Each metric's column is kept by slices of its array, so a flood of log calls costs
+        a few nanoseconds per call. A column that may hold NaN or inf is kept value by value.
         """
-        if not metrics:
-            return
-        if len(metrics) < BY_COLUMN_FROM:
-            self._metrics_one_by_one(metrics)
-        else:
-            self._metrics_by_column(rank, metrics)
-        self.curves_version += 1
-
-    def _metrics_one_by_one(self, metrics: Sequence[RankMetric]) -> None:
-        by_raw, names, rows = self._by_raw, self._names, self.rows
-        for metric in metrics:
-            rank, step = metric.rank, metric.step
-            row = rows.get(rank) or self._row(rank)
-            if row.state == "starting":
-                row.state = "running"
-            last = row.last_metrics
-            for name, value in metric.values.items():
-                curve = by_raw.get((name, rank)) or self._new_curve(name, rank)
-                if type(value) is not float:
-                    value = _as_float(value)
-                curve.add(step, value)
-                last[names[name]] = value
-
-    def _metrics_by_column(self, rank: int, events: list[RankMetric]) -> None:
-        columns = _columns(events)
-        curves = [self._by_raw.get((name, rank)) or self._new_curve(name, rank) for name, _, _ in columns]
-        if len(set(map(id, curves))) < len(curves):
-            # Names shown alike share a curve, whose points must keep the calls' order.
-            self._metrics_one_by_one(events)
+        if not len(batch):
             return
         row = self.rows.get(rank) or self._row(rank)
         if row.state == "starting":
             row.state = "running"
-        last, shown = row.last_metrics, self._names
-        for (name, column, steps), curve in zip(columns, curves):
-            total = math.nan
-            if set(map(type, column)) <= _PLAIN_NUMBERS:
-                with contextlib.suppress(OverflowError):  # an int too large for a float
-                    total = sum(column, 0.0)
-            if total - total == 0.0:  # every value is a finite number
-                curve.extend(column, steps)
-                last[shown[name]] = float(column[-1])
-            else:
-                for step, value in zip(steps[0 : len(column)], column):
-                    if type(value) is not float:
-                        value = _as_float(value)
-                    curve.add(step, value)
-                    last[shown[name]] = value
+        curves = [self._by_raw.get((name, rank)) or self._new_curve(name, rank) for name in batch.columns]
+        if len(set(map(id, curves))) < len(curves):
+            # Names shown alike share a curve, whose points must keep the calls' order.
+            self._metrics_one_by_one(row, batch)
+        else:
+            last, shown = row.last_metrics, self._names
+            for (name, column), curve in zip(batch.columns.items(), curves):
+                steps = batch.steps_of(column)
+                if column.finite:
+                    curve.extend(column.values, steps)
+                else:
+                    for step, value in zip(steps, column.values):
+                        curve.add(step, value)
+                last[shown[name]] = column.values[-1]
+        self.curves_version += 1
+
+    def _metrics_one_by_one(self, row: RankRow, batch: MetricBatch) -> None:
+        by_raw, names, last = self._by_raw, self._names, row.last_metrics
+        for step, logged in zip(batch.steps, batch.calls()):
+            for name, value in logged.items():
+                by_raw[(name, row.rank)].add(step, value)
+                last[names[name]] = value
 
     def _new_curve(self, name: str, rank: int) -> Curve:
         curve = self._by_raw[(name, rank)] = self._curve(name, rank)
@@ -395,37 +343,6 @@ class LaunchRecord:
     def shown_curves(self) -> dict[tuple[str, int], Curve]:
         """The curves by the names they are shown under (metric names cleaned)."""
         return self.curves
-
-
-class _StepsOf:
-    """The steps of metric events, read only for the slices asked for."""
-
-    __slots__ = ("_events",)
-
-    def __init__(self, events: list[RankMetric]) -> None:
-        self._events = events
-
-    def __getitem__(self, part: slice) -> list[int | None]:
-        return [event.step for event in self._events[part]]
-
-
-def _columns(events: list[RankMetric]) -> list[tuple[str, list[Any], Steps]]:
-    """Each metric's values in the order logged, with their steps, names as first logged."""
-    # Comprehensions, not attrgetter: the interpreter reads a dataclass's fields faster.
-    values = [event.values for event in events]
-    first = values[0]
-    if len(first) * len(values) == sum(map(len, values)):
-        try:  # every call logged the same names: the usual case, without looking at each
-            steps = _StepsOf(events)
-            return [(name, list(map(operator.itemgetter(name), values)), steps) for name in first]
-        except KeyError:
-            pass
-    columns: list[tuple[str, list[Any], Steps]] = []
-    for name in dict.fromkeys(itertools.chain.from_iterable(values)):
-        logged = list(map(operator.contains, values, itertools.repeat(name)))
-        column = list(map(operator.itemgetter(name), itertools.compress(values, logged)))
-        columns.append((name, column, [event.step for event in itertools.compress(events, logged)]))
-    return columns
 
 
 def rank_state(event: RankFinished) -> str:
@@ -485,13 +402,6 @@ def failure_line(failure: RankFailure) -> str:
 def _metric_name(name: Any) -> str:
     text = clean_text(str(name)).strip() or "(unnamed)"
     return text if len(text) <= 200 else text[:199] + "…"
-
-
-def _as_float(value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError, OverflowError):
-        return math.nan
 
 
 def _number(value: float | None) -> str:
