@@ -38,8 +38,11 @@ class RunningKernel:
     def submit(self, code: str) -> str:
         return self.client.execute(textwrap.dedent(code))
 
-    def collect(self, msg_id: str, timeout: float = 600, until: str | None = None) -> CellRun:
-        """Gather the cell's outputs until it is idle (or until ``until`` appears in stdout)."""
+    def collect(
+        self, msg_id: str, timeout: float = 600, until: str | None = None, until_message: str | None = None
+    ) -> CellRun:
+        """Gather the cell's outputs until it is idle (or until ``until`` appears in stdout,
+        or a message of the kind ``until_message`` arrives)."""
         cell = CellRun()
         deadline = time.monotonic() + timeout
         while True:
@@ -54,6 +57,8 @@ class RunningKernel:
                 continue
             kind, content = message["msg_type"], message["content"]
             cell.messages.append(message)
+            if kind == until_message:
+                return cell
             if kind == "stream":
                 if content["name"] == "stdout":
                     cell.stdout += content["text"]

@@ -152,12 +152,15 @@ def test_dashboard_false_sends_no_widget(kernel):
     assert "[rank1]: rank 1 finished" in cell.stdout
 
 
-def test_without_a_widget_frontend_the_launch_reads_as_text(kernel):
+def test_without_a_widget_frontend_the_launch_reads_as_text(kernel, tmp_path):
     # This client draws no widgets: it sees the display's text and the cell's stream.
-    cell = kernel.run(
-        """
+    gate = tmp_path / "gate"
+    msg_id = kernel.submit(
+        f"""
         def fails():
             if os.environ["RANK"] == "1":
+                while not os.path.exists({str(gate)!r}):  # until the test saw the live display
+                    time.sleep(0.01)
                 raise ValueError("rank 1 gives up")
             time.sleep(30)
         try:
@@ -166,6 +169,10 @@ def test_without_a_widget_frontend_the_launch_reads_as_text(kernel):
             print("caught")
         """
     )
+    live = kernel.collect(msg_id, until_message="display_data")
+    gate.touch()
+    cell = kernel.collect(msg_id)
+    cell.messages[:0] = live.messages
     assert "caught" in cell.stdout
     texts = [
         m["content"]["data"]["text/plain"]
