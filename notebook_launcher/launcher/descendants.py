@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import selectors
 import signal
+import time
+from collections.abc import Collection
 
 from notebook_launcher import rank_env
 
@@ -43,13 +46,70 @@ def marked_processes(launch_id: str, proc: str = _PROC) -> list[int]:
     return found
 
 
-def end_marked_processes(launch_id: str, proc: str = _PROC) -> list[int]:
-    """SIGKILL every process marked with ``launch_id``; returns the pids signalled."""
-    pids = marked_processes(launch_id, proc)
-    for pid in pids:
+def end_marked_processes(
+    launch_id: str, wait_s: float = 0.0, spare: Collection[int] = (), proc: str = _PROC
+) -> list[int]:
+    """SIGKILL every process marked with ``launch_id`` but those in ``spare``; returns the
+    pids signalled.
+
+    With ``wait_s``, waits up to that long until they have ended: a daemon that still
+    holds a port or a device when the launch returns would fail the next launch. Each is
+    held by a pidfd from before its signal, so a pid reused meanwhile is never signalled
+    nor waited for. A daemon may start another while it is being ended: the search runs
+    again until it finds nothing new.
+    """
+    deadline = time.monotonic() + wait_s
+    signalled: list[int] = []
+    handles: list[int] = []
+    try:
+        while True:
+            found = marked_processes(launch_id, proc)
+            fresh = [pid for pid in found if pid not in signalled and pid not in spare]
+            if not fresh:
+                break
+            for pid in fresh:
+                signalled.append(pid)
+                handle = _kill(pid)
+                if handle is not None:
+                    handles.append(handle)
+            if time.monotonic() >= deadline:
+                break
+        _wait_ended(handles, deadline)
+    finally:
+        for handle in handles:
+            os.close(handle)
+    return signalled
+
+
+def _kill(pid: int) -> int | None:
+    """SIGKILL ``pid``; returns a pidfd that becomes readable when it has ended, if any."""
+    try:
+        handle = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None  # ended meanwhile
+    except (OSError, AttributeError):  # no pidfds (kernel before 5.3, not Linux): signal by pid
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
-    return pids
+        return None
+    try:
+        signal.pidfd_send_signal(handle, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    return handle
+
+
+def _wait_ended(handles: list[int], deadline: float) -> None:
+    pending = set(handles)
+    with selectors.DefaultSelector() as selector:
+        for handle in pending:
+            selector.register(handle, selectors.EVENT_READ)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            for key, _ in selector.select(left):
+                pending.discard(key.fd)
+                selector.unregister(key.fd)
 
 
 def descendants_of(pid: int, proc: str = _PROC) -> list[int]:
