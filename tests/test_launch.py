@@ -452,3 +452,46 @@ def test_a_step_that_is_no_number_is_dropped_and_the_result_still_arrives(leak_c
 
     assert notebook_launcher(log_odd_steps, num_processes=2, observers=[Collector()], return_all=True) == ["done"] * 2
     assert steps == {0: [None, 4, 2.5, None], 1: [None, 4, 2.5, None]}
+
+
+def log_beside_a_forked_worker():
+    from notebook_launcher import Accelerator
+
+    accelerator = Accelerator()
+    worker = os.fork()  # a data loader worker, say: it logs too, at the same time
+    for step in range(30_000):
+        accelerator.log({f"metric_{i}": float(step) for i in range(8)}, step=step)
+    if worker == 0:
+        os._exit(0)
+    os.waitpid(worker, 0)
+    return "done"
+
+
+def test_a_process_a_rank_forked_never_mixes_its_writes_into_the_ranks(leak_check, capfd):
+    from notebook_launcher.launcher.events import RankMetrics
+
+    steps: list[int] = []
+
+    class Collector:
+        def on_event(self, event):
+            if isinstance(event, RankMetrics):
+                steps.extend(event.batch.steps)
+
+    assert notebook_launcher(log_beside_a_forked_worker, num_processes=1, observers=[Collector()]) == "done"
+    assert steps == list(range(30_000))  # the rank's own calls, each once, in order
+    # The worker's calls are not sent, and it says so, once.
+    assert capfd.readouterr().err.count("is not sent to the notebook") == 1
+
+
+def garble_the_message_pipe():
+    from notebook_launcher.launcher import rank
+
+    channel = rank._outbox._channel.fileno()  # what a stray os.write to an inherited fd does
+    os.write(channel, len(b"not a pickle").to_bytes(4, "big") + b"not a pickle")
+    return "lost"
+
+
+def test_a_garbled_message_pipe_fails_the_rank_with_a_clear_error(leak_check):
+    with pytest.raises(RankFailedError, match=r"Rank 0 .*exited with code 0") as caught:
+        notebook_launcher(garble_the_message_pipe, num_processes=1)
+    assert "the messages of rank 0 to the notebook could not be read (UnpicklingError" in str(caught.value)

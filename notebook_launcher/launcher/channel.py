@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import threading
 import time
 import weakref
@@ -73,10 +74,15 @@ class Outbox:
     Log calls are batched (see ``METRICS_WAIT_S``); any other message first sends the
     calls still waiting, so a result never overtakes the metrics logged before it. Safe to
     use from several threads of the rank.
+
+    A process the rank forks (a data loader worker) inherits the outbox but sends nothing:
+    its writes would land in the middle of the rank's own, garbling both. What it logs is
+    dropped, and it says so once on its stderr.
     """
 
     def __init__(self, channel: Connection) -> None:
         self._channel = channel
+        self._owner = os.getpid()
         self._last_sent = -METRICS_WAIT_S
         self._start_empty()
         _outboxes.add(self)
@@ -90,15 +96,20 @@ class Outbox:
         self._values: list[dict[str, float]] = []
         self._sender: threading.Thread | None = None
         self._sender_idle = False  # waiting for a first call, without a deadline
+        self._told_forked = False  # this process said it is not the rank's
 
     def send(self, message: RankMessage) -> None:
-        self._write_waiting(message)
+        if self._owned():
+            self._write_waiting(message)
 
     def flush(self) -> None:
         """Sends the calls waiting now, before returning."""
-        self._write_waiting(None)
+        if self._owned():
+            self._write_waiting(None)
 
     def log(self, step: float | None, values: dict[str, float]) -> None:
+        if not self._owned():
+            return
         with self._ready:
             self._steps.append(step)
             self._values.append(values)
@@ -108,6 +119,21 @@ class Outbox:
         if waiting >= METRICS_PER_MESSAGE:
             with contextlib.suppress(OSError, ValueError):  # the kernel's end is gone
                 self._write_waiting(None)
+
+    def _owned(self) -> bool:
+        if self._owner == os.getpid():
+            return True
+        if not self._told_forked:
+            self._told_forked = True
+            with contextlib.suppress(OSError, ValueError):
+                print(
+                    f"notebook_launcher: what process {os.getpid()} logs or reports is not sent to "
+                    f"the notebook: it was forked by rank process {self._owner} (a data loader "
+                    "worker, say). Only the rank's own process reports metrics and progress.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        return False
 
     def _wake_sender(self) -> None:
         if self._sender is None:

@@ -353,6 +353,17 @@ class RankGroup:
             self._unregister(rank.channel.fileno())
             rank.channel.close()
             return
+        except Exception as error:  # garbled: nothing after it can be read either
+            self._unregister(rank.channel.fileno())
+            rank.channel.close()
+            text = (
+                f"notebook_launcher: the messages of rank {rank.rank} to the notebook could not be "
+                f"read ({type(error).__name__}: {error}); its result cannot arrive. Something "
+                "else in the rank wrote to its message pipe."
+            )
+            rank.tail.append(text)
+            self._emit(OutputLine(rank.rank, "stderr", text, False))
+            return
         if isinstance(message, Hello):
             if rank.control is not None:
                 rank.control.pid_reported(message.pid)
