@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import html
 import math
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from notebook_launcher.widgets.record import Curve
@@ -26,6 +26,10 @@ MAX_COLUMNS = 3
 MAX_PANELS = 24  # past this many metrics the rest are named, not drawn
 POINTS_DRAWN = 240  # per curve: about one per two pixel columns
 HOVER_POINTS = 60  # per curve: points that carry a tooltip (each is an element)
+# Per panel: many ranks share it, so each curve's tooltips thin out (never under 12 points):
+# 16 ranks of 6 metrics would otherwise carry 5,760 elements into every saved notebook.
+HOVER_POINTS_PER_PANEL = 160
+HOVER_POINTS_MIN = 12
 NONFINITE_DRAWN = 24  # per curve: crosses marking NaN/inf (the caption counts them all)
 _NAME_CHARS = 44
 # tab10, then ten more that stay apart from it; past 20 ranks, hues by the golden angle.
@@ -174,39 +178,44 @@ def _panel(
         f'fill-opacity="0.5">step{" (log y)" if log_scale else ""}</text>'
     )
     for rank, points in old.items():
-        line = _polyline(points, sx, sy)
+        # A NaN breaks no line: the line joins the finite points around it; the cross marks it.
+        line = _path([(sx(s), sy(v)) for s, v in points if math.isfinite(v)])
         if line:
             out.append(
-                f'<polyline points="{line}" fill="none" stroke="{rank_colour(rank)}" stroke-width="1.2" '
+                f'<path d="{line}" fill="none" stroke="{rank_colour(rank)}" stroke-width="1.2" '
                 f'stroke-opacity="0.35" stroke-dasharray="4 3"><title>previous launch: rank {rank}, '
-                f"{_text(name)}</title></polyline>"
+                f"{_text(name)}</title></path>"
             )
     drawn = 0
     label = _text(name)
+    hover = max(HOVER_POINTS_MIN, min(HOVER_POINTS, HOVER_POINTS_PER_PANEL // max(1, len(sampled))))
     for rank, points in sampled.items():
         colour = rank_colour(rank)
         finite_points = [(s, v) for s, v in points if math.isfinite(v)]
         # Each point's place computed once, for the line and for its hover circle.
         placed = [(sx(s), sy(v)) for s, v in finite_points]
         if placed:
-            line = " ".join([f"{x:.1f},{y:.1f}" for x, y in placed])
             out.append(
-                f'<polyline points="{line}" fill="none" stroke="{colour}" stroke-width="1.5">'
-                f"<title>rank {rank}, {label}</title></polyline>"
+                f'<path d="{_path(placed)}" fill="none" stroke="{colour}" stroke-width="1.5">'
+                f"<title>rank {rank}, {label}</title></path>"
             )
         drawn += len(finite_points)
-        every = max(1, math.ceil(len(finite_points) / HOVER_POINTS))
+        every = max(1, math.ceil(len(finite_points) / hover))
         picked = list(range(0, len(finite_points), every))
         if finite_points and picked[-1] != len(finite_points) - 1:
             picked.append(len(finite_points) - 1)
         radius = 2.5 if len(points) < 40 else 2
-        circle = f'" r="{radius}" fill="{colour}" class="nl-point"><title>step '
+        # The colour and class once per curve, on the group: most of a saved record's size.
+        circle = f'" r="{radius}"><title>step '
         tail = f", rank {rank}, {label} = "
-        out.extend([
-            f'<circle cx="{placed[i][0]:.1f}" cy="{placed[i][1]:.1f}{circle}{_tick(finite_points[i][0])}{tail}'
-            f"{finite_points[i][1]:.6g}</title></circle>"
-            for i in picked
-        ])  # fmt: skip
+        if picked:
+            out.append(f'<g class="nl-point" fill="{colour}">')
+            out.extend([
+                f'<circle cx="{placed[i][0]:.1f}" cy="{placed[i][1]:.1f}{circle}{_tick(finite_points[i][0])}{tail}'
+                f"{finite_points[i][1]:.6g}</title></circle>"
+                for i in picked
+            ])  # fmt: skip
+            out.append("</g>")
         odd = [(s, v) for s, v in points if not math.isfinite(v)]
         for s, v in odd[:: max(1, math.ceil(len(odd) / NONFINITE_DRAWN))]:
             # NaN and -inf sit on the bottom edge, +inf on the top, as a red cross.
@@ -242,11 +251,28 @@ def _sample(curve: Curve) -> list[tuple[float, float]]:
     return picked
 
 
-def _polyline(
-    points: list[tuple[float, float]], sx: Callable[[float], float], sy: Callable[[float], float]
-) -> str:
-    # A NaN breaks no line: the line joins the finite points around it; the cross marks it.
-    return " ".join(f"{sx(s):.1f},{sy(v):.1f}" for s, v in points if math.isfinite(v))
+def _path(placed: list[tuple[float, float]]) -> str:
+    """A path through these points, in tenths of a pixel: the first absolute, the rest as
+    steps from the one before, which is about half the text of absolute coordinates."""
+    if not placed:
+        return ""
+    tenths = [(round(x * 10), round(y * 10)) for x, y in placed]
+    x0, y0 = tenths[0]
+    moves = [f"M{_decimal(x0)} {_decimal(y0)}"]
+    if len(tenths) > 1:
+        moves.append("l" + " ".join(
+            f"{_decimal(x - px)} {_decimal(y - py)}" for (px, py), (x, y) in zip(tenths, tenths[1:])
+        ))  # fmt: skip
+    return "".join(moves)
+
+
+def _decimal(tenths: int) -> str:
+    """``tenths / 10`` as the shortest SVG number: 12 -> "1.2", -4 -> "-.4", 30 -> "3"."""
+    whole, tenth = divmod(abs(tenths), 10)
+    sign = "-" if tenths < 0 else ""
+    if not tenth:
+        return f"{sign}{whole}"
+    return f"{sign}{whole or ''}.{tenth}"
 
 
 def _tick(value: float) -> str:
@@ -254,6 +280,8 @@ def _tick(value: float) -> str:
         return str(value)
     if float(value).is_integer() and abs(value) < 1e6:
         return str(int(value))
+    if 1000 <= abs(value) < 1e6:  # "1014", not "1.01e+03"
+        return f"{value:.0f}"
     return f"{value:.3g}"
 
 

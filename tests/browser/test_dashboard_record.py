@@ -112,12 +112,12 @@ def test_hovering_the_live_plot_shows_step_rank_and_value(
     live = page.locator(DASHBOARD)  # type: ignore[attr-defined]
     # The ranks wait at the gate: the launch is live until the test opens it.
     page.wait_for_function(  # type: ignore[attr-defined]
-        """() => [...document.querySelectorAll('.notebook-launcher-dashboard svg circle.nl-point title')]
+        """() => [...document.querySelectorAll('.notebook-launcher-dashboard svg .nl-point circle title')]
                  .some(t => t.textContent === 'step 29, rank 1, loss = 0.0333333')""",
         timeout=180_000,
     )
     expect(live.locator("tr.nl-running")).to_have_count(2)
-    live.locator("svg circle.nl-point").last.hover()
+    live.locator("svg .nl-point circle").last.hover()
     assert not gate.exists()
     _screenshot(live, f"dashboard-{app.name}-live")
     live.screenshot(path=str(DOCS / f"dashboard-live-{app.name}.png"))
@@ -169,7 +169,7 @@ def test_the_saved_notebook_reopened_without_its_kernel_still_shows_the_record(
     record = page.locator(RECORD)  # type: ignore[attr-defined]
     expect(record).to_be_visible()
     expect(record.locator("tr.nl-failed")).to_contain_text(ERROR)
-    titles = record.locator("svg circle.nl-point title").all_text_contents()
+    titles = record.locator("svg .nl-point circle title").all_text_contents()
     assert "step 29, rank 1, loss = 0.0333333" in titles
     assert page.get_by_text("model not found").count() == 0  # type: ignore[attr-defined]
     assert page.get_by_text("Error displaying widget").count() == 0  # type: ignore[attr-defined]

@@ -197,7 +197,7 @@ def test_the_dashboard_ends_as_a_record_with_every_rank_done_and_the_loss_plot(p
     expect(record).to_contain_text("training: 40/40")
     # The final picture: every step of both ranks (01 logs 40 steps on each rank).
     expect(record).to_contain_text("80 points drawn of 80 logged")
-    hover = record.locator("svg circle.nl-point title")
+    hover = record.locator("svg .nl-point circle title")
     assert hover.count() == 80
     assert "step 39, rank 1, loss = " in hover.all_text_contents()[-1]
     _screenshot(record, f"widgets-{app.name}-dashboard")
