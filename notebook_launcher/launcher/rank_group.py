@@ -485,10 +485,12 @@ class RankGroup:
                 rank.control.signal(signal.SIGKILL)
         # And what left those groups. A rank that returned ended its own descendants as it
         # exited (it is their subreaper); one that was stopped or crashed could not. They
-        # are gone when the launch returns; the ranks themselves had their wait above.
+        # are gone when the launch returns (unless stop was pressed again: then it returns at
+        # once); the ranks themselves had their wait above.
         if any(r.control is not None and r.rank not in self.outcome.results for r in self.ranks):
             ranks = {r.pid for r in self.ranks if r.pid is not None}
-            descendants.end_marked_processes(self.launch_id, wait_s=self._kill_wait_s, spare=ranks)
+            wait_s = 0.0 if hurry else self._kill_wait_s
+            descendants.end_marked_processes(self.launch_id, wait_s=wait_s, spare=ranks)
         for rank in self.ranks:
             if rank.ended is not None and not rank.finished_sent:
                 with contextlib.suppress(Exception):  # an observer's bug must not stop cleanup
