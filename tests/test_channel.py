@@ -81,7 +81,7 @@ def test_another_message_sends_the_waiting_calls_first(pipe, monkeypatch):
     assert received(reader) == [batch(0, {"loss": 1.0}), batch(1, {"loss": 0.5}), Progress(1, 2, "epoch")]
 
 
-def test_a_process_the_rank_forks_does_not_send_the_rank_s_waiting_calls(pipe, monkeypatch):
+def test_a_process_the_rank_forks_sends_nothing_and_says_so_once(pipe, monkeypatch, capfd):
     monkeypatch.setattr(channel, "METRICS_WAIT_S", 3600.0)
     reader, writer = pipe
     outbox = Outbox(writer)
@@ -89,12 +89,15 @@ def test_a_process_the_rank_forks_does_not_send_the_rank_s_waiting_calls(pipe, m
     assert reader.poll(60)
     outbox.log(1, {"loss": 0.5})  # waiting, with the sender thread started
     pid = os.fork()
-    if pid == 0:  # a data loader worker, say: its outbox starts empty, with locks of its own
+    if pid == 0:  # a data loader worker, say: its writes would interleave with the rank's
         try:
             outbox.log(7, {"worker": 1.0})
+            outbox.send(Progress(1, 2, "worker"))
             outbox.flush()
         finally:
             os._exit(0)
     assert os.waitpid(pid, 0)[1] == 0
     outbox.flush()
-    assert received(reader) == [batch(0, {"loss": 1.0}), batch(7, {"worker": 1.0}), batch(1, {"loss": 0.5})]
+    # The rank's waiting call is sent once, by the rank; nothing of the worker's.
+    assert received(reader) == [batch(0, {"loss": 1.0}), batch(1, {"loss": 0.5})]
+    assert capfd.readouterr().err.count(f"forked by rank process {os.getpid()}") == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import random
 
 import pytest
 
@@ -19,6 +20,26 @@ def test_calls_with_different_names_and_steps_come_back_as_logged():
     assert list(batch.columns) == ["loss", "lr", "acc"]  # in the order first logged
     assert list(batch.steps_of(batch.columns["lr"])) == [0, 3]
     assert list(batch.columns["loss"].values) == [1.0, 0.5, 0.25]
+
+
+def test_calls_of_every_mix_of_names_come_back_as_logged_in_the_order_first_logged():
+    rng = random.Random(7)
+    for _ in range(300):
+        calls = [{name: rng.random() for name in rng.sample("abcde", rng.randint(0, 5))}
+                 for _ in range(rng.randint(1, 30))]  # fmt: skip
+        batch = MetricBatch.of_calls(list(range(len(calls))), calls)
+        assert batch.calls() == calls
+        assert list(batch.columns) == list(dict.fromkeys(name for call in calls for name in call))
+
+
+def test_hundreds_of_metrics_logged_every_tenth_call_come_back_as_logged():
+    # The loss every call, 200 per-layer norms every tenth: 344,000 values in one batch.
+    calls = [{"loss": 1.0 / (s + 1), **({f"layer_{i}": float(i) for i in range(200)} if s % 10 == 0 else {})}
+             for s in range(16384)]  # fmt: skip
+    batch = MetricBatch.of_calls(list(range(16384)), calls)
+    assert batch.calls() == calls
+    assert list(batch.columns["layer_7"].calls) == list(range(0, 16384, 10))
+    assert batch.columns["loss"].calls is not None and len(batch.columns["loss"].values) == 16384
 
 
 def test_the_usual_batch_is_one_array_per_metric():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
-import itertools
+import heapq
 import math
 import operator
 from collections.abc import Mapping, Sequence
@@ -85,12 +85,7 @@ class MetricBatch:
                 except KeyError:
                     columns = {}
             if not columns:
-                for name in dict.fromkeys(itertools.chain.from_iterable(calls)):
-                    present = list(map(operator.contains, calls, itertools.repeat(name)))
-                    columns[name] = _column(
-                        map(operator.itemgetter(name), itertools.compress(calls, present)),
-                        array.array("q", itertools.compress(range(len(calls)), present)),
-                    )
+                columns = _sparse_columns(calls)
         return cls(_compact_steps(steps), columns)
 
     def __len__(self) -> int:
@@ -109,6 +104,34 @@ class MetricBatch:
             for index, value in zip(column.calls or range(len(logged)), column.values):
                 logged[index][name] = value
         return logged
+
+
+def _sparse_columns(calls: Sequence[Mapping[str, float]]) -> dict[str, MetricColumn]:
+    # Calls grouped by the names they logged, each group's values taken column by column: a
+    # few metrics every call beside hundreds every tenth call (per-layer norms, say) cost a
+    # pass over the values, not names x calls.
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for index, call in enumerate(calls):
+        group = groups.get(names := tuple(call))
+        if group is None:
+            groups[names] = [index]
+        else:
+            group.append(index)
+    # Groups in the order first seen, so names come in the order first logged.
+    pieces: dict[str, list[tuple[list[int], list[float]]]] = {}
+    for names, indexes in groups.items():
+        logged = [calls[index] for index in indexes]
+        for name in names:
+            pieces.setdefault(name, []).append((indexes, list(map(operator.itemgetter(name), logged))))
+    columns: dict[str, MetricColumn] = {}
+    for name, parts in pieces.items():
+        if len(parts) == 1:
+            ((indexes, values),) = parts
+        else:  # logged in calls of several kinds: back into the order of the calls
+            merged = list(heapq.merge(*(zip(indexes, values) for indexes, values in parts)))
+            indexes, values = [index for index, _ in merged], [value for _, value in merged]
+        columns[name] = _column(values, array.array("q", indexes))
+    return columns
 
 
 def _column(values: Any, calls: array.array | None) -> MetricColumn:
