@@ -68,3 +68,17 @@ def test_spared_pids_are_neither_signalled_nor_waited_for():
     finally:
         rank.kill()
         rank.wait()
+
+
+def test_what_a_process_started_has_ended_when_it_returns(tmp_path):
+    started = tmp_path / "started"
+    parent = subprocess.Popen(["sh", "-c", f"sleep 300 & echo $! >> {started}; sleep 301 & echo $! >> {started}; wait"])
+    try:
+        while not (started.exists() and len(started.read_text().split()) == 2):
+            assert parent.poll() is None
+        children = [int(pid) for pid in started.read_text().split()]
+        assert sorted(descendants.end_descendants(parent.pid, wait_s=120)) == sorted(children)
+        assert all(ended(pid) for pid in children)
+    finally:
+        parent.kill()
+        parent.wait()

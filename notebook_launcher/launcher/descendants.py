@@ -14,7 +14,7 @@ import os
 import selectors
 import signal
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from notebook_launcher import rank_env
 
@@ -50,21 +50,24 @@ def end_marked_processes(
     launch_id: str, wait_s: float = 0.0, spare: Collection[int] = (), proc: str = _PROC
 ) -> list[int]:
     """SIGKILL every process marked with ``launch_id`` but those in ``spare``; returns the
-    pids signalled.
+    pids signalled. With ``wait_s``, waits up to that long until they have ended."""
+    return _end(lambda: marked_processes(launch_id, proc), wait_s, spare)
 
-    With ``wait_s``, waits up to that long until they have ended: a daemon that still
-    holds a port or a device when the launch returns would fail the next launch. Each is
-    held by a pidfd from before its signal, so a pid reused meanwhile is never signalled
-    nor waited for. A daemon may start another while it is being ended: the search runs
-    again until it finds nothing new.
+
+def _end(find: Callable[[], list[int]], wait_s: float, spare: Collection[int] = ()) -> list[int]:
+    """SIGKILL what ``find`` finds, again until it finds nothing new, then wait for the ends.
+
+    A daemon that still holds a port or a device once its launch is over would fail the
+    next launch: hence the wait. Each process is held by a pidfd from before its signal, so
+    a pid reused meanwhile is never signalled nor waited for. A process may start another
+    while it is being ended: hence the search again.
     """
     deadline = time.monotonic() + wait_s
     signalled: list[int] = []
     handles: list[int] = []
     try:
         while True:
-            found = marked_processes(launch_id, proc)
-            fresh = [pid for pid in found if pid not in signalled and pid not in spare]
+            fresh = [pid for pid in find() if pid not in signalled and pid not in spare]
             if not fresh:
                 break
             for pid in fresh:
@@ -170,8 +173,8 @@ def _descendants_by_scan(pid: int, proc: str) -> list[int]:
     return found
 
 
-def end_descendants(pid: int | None = None) -> None:
-    """SIGKILL every process below ``pid`` (this process by default)."""
-    for child in descendants_of(os.getpid() if pid is None else pid):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(child, signal.SIGKILL)
+def end_descendants(pid: int | None = None, wait_s: float = 0.0) -> list[int]:
+    """SIGKILL every process below ``pid`` (this process by default); returns the pids
+    signalled. With ``wait_s``, waits up to that long until they have ended."""
+    below = os.getpid() if pid is None else pid
+    return _end(lambda: descendants_of(below), wait_s)

@@ -30,6 +30,7 @@ from notebook_launcher.launcher.metric_batch import numbers_of, step_of
 from notebook_launcher.launcher.store import SECRET_ENV, protect_env_rendezvous
 from notebook_launcher.tracking import add_metric_flush, add_metric_sink, add_progress_sink
 
+DESCENDANTS_WAIT_S = 5.0  # for what a rank started to end after SIGKILL, as it exits
 _outbox: Outbox | None = None  # this rank's end of the channel
 _forked = False  # started by fork: the kernel's __main__ is this process's __main__
 
@@ -392,7 +393,8 @@ def _flush() -> None:
 def _exit(code: int) -> None:
     _flush()
     # Nothing a rank started outlives it, even a daemon that left its process group
-    # without running a new program (the launch's id in the environment finds those).
+    # without running a new program (the launch's id in the environment finds those);
+    # they have ended before the launch learns that the rank has.
     with contextlib.suppress(Exception):
-        end_descendants()
+        end_descendants(wait_s=DESCENDANTS_WAIT_S)
     os._exit(code)
