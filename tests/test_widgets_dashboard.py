@@ -188,3 +188,18 @@ def test_the_widgets_appear_with_the_first_event_once_they_are_due(capsys):
     dashboard.on_event(LaunchFinished("ok", SHOW_AFTER_S))
     assert "nl-done" in dashboard.final_html
     capsys.readouterr()
+
+
+def test_a_large_plot_is_sent_less_often(board, monkeypatch):
+    from notebook_launcher.widgets import dashboard as module
+
+    monkeypatch.setattr(module, "PLOT_BYTES_PER_S", 50_000)  # a picture of ~370 kB: one per 7 s
+    dashboard, clock = board
+    plot = count_changes(dashboard.plot)
+    names = [f"metric_{i}" for i in range(24)]
+    for step in range(2_000):  # 20 s of a loop logging 100 times a second
+        clock.now += 0.01
+        dashboard.on_event(logged(step % 2, {name: 1 / (step + 1 + i) for i, name in enumerate(names)}, step // 2))
+        dashboard.on_event(OutputLine(0, "stdout", f"step {step}", False))  # redraws come with events
+    assert len(dashboard.plot.value) > 7 * 50_000
+    assert 1 <= len(plot) <= 4  # not once a second

@@ -47,6 +47,9 @@ PLOT_INTERVAL_S = 1.0
 # The plot waits at least this many times its own drawing time between redraws, so a
 # slow machine spends at most a fifth of the cell's thread on it.
 PLOT_COST_FACTOR = 5.0
+# And at least a second per this many bytes of SVG: 16 ranks of 24 metrics (about 1 MB a
+# picture) would otherwise cross a remote notebook's connection every second.
+PLOT_BYTES_PER_S = 250_000
 OUTPUT_LINES_SHOWN = 400
 TICK_S = 0.25  # how stale the dashboard may get while no event arrives
 # The live widgets appear once a launch has run this long (at the ticker's first tick): a
@@ -90,6 +93,7 @@ class WidgetDashboard:
         self._shown = {"rows": -1, "output": -1, "curves": 0}
         self._last = {"rows": 0.0, "output": 0.0, "plot": 0.0}
         self._plot_cost = 0.0
+        self._plot_bytes = 0  # of the last picture sent
         self.plot_draws = 0
         self.final_html: str | None = None
         self.ticker_cpu_s = 0.0  # what the ticker thread spent, for benchmarks
@@ -289,7 +293,7 @@ class WidgetDashboard:
             for rank, widget in zip(sorted(record.rows), self.outputs):
                 widget.value = views.output_html(record.rows[rank], OUTPUT_LINES_SHOWN)
             self._title_outputs()
-        wait = max(PLOT_INTERVAL_S, PLOT_COST_FACTOR * self._plot_cost)
+        wait = max(PLOT_INTERVAL_S, PLOT_COST_FACTOR * self._plot_cost, self._plot_bytes / PLOT_BYTES_PER_S)
         if (
             not final
             and record.curves_version != self._shown["curves"]
@@ -302,6 +306,7 @@ class WidgetDashboard:
         self._shown["curves"] = self.record.curves_version
         drawn = render_svg(self.record.shown_curves(), self._previous_curves())
         self.plot.value = f'{drawn.svg}<div style="font-size: 11px; opacity: 0.65;">{html.escape(drawn.caption)}</div>'
+        self._plot_bytes = len(self.plot.value)
         self.plot.layout.display = ""
         self.plot_draws += 1
         self._plot_cost = time.perf_counter() - started
