@@ -9,7 +9,9 @@
    with the dashboard on, off, and without the log calls at all; and how soon a cell
    queued behind the launch starts after the rank's loop ended (the kernel kept up).
 3. A flood: 2 ranks each calling ``accelerator.log`` N times as fast as they can; the
-   kernel's CPU time over the launch with the dashboard on and off, interleaved.
+   kernel's CPU time over the launch with the dashboard on and off, interleaved; then a
+   launch about as long whose ranks log once a millisecond, so that what the calls cost is
+   told apart from what any launch long enough for live widgets costs.
 
 Prints medians and ratios, and the machine's load average before and after.
 
@@ -60,6 +62,16 @@ def flood(calls):
     accelerator = Accelerator()
     for step in range(calls):
         accelerator.log({"loss": 1.0 / (step + 1)}, step=step)
+
+def paced_flood(seconds):
+    from notebook_launcher import Accelerator
+    accelerator = Accelerator()
+    started = time.perf_counter()
+    step = 0
+    while time.perf_counter() - started < seconds:
+        accelerator.log({"loss": 1.0 / (step + 1)}, step=step)
+        step += 1
+        time.sleep(0.001)
 
 def kernel_cpu(launch):
     # The kernel's own CPU time over a launch: what watching (and the dashboard) costs it.
@@ -161,31 +173,43 @@ def launch_overhead(kernel: Kernel, job: str, rounds: int) -> dict[str, list[flo
     return times
 
 
+Series = dict[str, list[float]]
+
+
 def flood_report(kernel: Kernel, calls: int, rounds: int) -> None:
     print(f"\n2 ranks x {calls:,} accelerator.log calls, fork, {rounds} interleaved rounds (medians):")
-    cpu: dict[str, list[float]] = {"on": [], "off": []}
-    wall: dict[str, list[float]] = {"on": [], "off": []}
     for dashboard in (True, False):  # warm: imports, the first widgets
         kernel.run(f"notebook_launcher(flood, args=(1000,), num_processes=2, start_method='fork', output='none', dashboard={dashboard})")
+    cpu, wall = flood_rounds(kernel, f"flood, args=({calls},)", rounds)
+    on, off = statistics.median(cpu["on"]), statistics.median(cpu["off"])
+    print(f"  kernel CPU s: dashboard off {off:.3f}   on {on:.3f}   ratio {on / off:.3f}x"
+          f"   (rounds off {', '.join(f'{v:.3f}' for v in cpu['off'])}; on {', '.join(f'{v:.3f}' for v in cpu['on'])})")
+    w_on, w_off = statistics.median(wall["on"]), statistics.median(wall["off"])
+    print(f"  cell busy s:  dashboard off {w_off:.2f}   on {w_on:.2f}   ratio {w_on / w_off:.3f}x")
+    # A launch about as long (its ranks log once a millisecond): what any launch long enough
+    # for live widgets costs, calls or not; the difference is what the flood's calls cost.
+    seconds = max(0.5, w_off - 0.3)  # the cell's busy time less the launch's start and end
+    short, _ = flood_rounds(kernel, f"paced_flood, args=({seconds:.2f},)", rounds)
+    s_on, s_off = statistics.median(short["on"]), statistics.median(short["off"])
+    print(f"  a {seconds:.2f} s launch logging once a millisecond: off {s_off:.3f}   on {s_on:.3f}")
+    # No ratio: both differences lie within the rounds' spread of zero on a quiet machine.
+    print(f"  what the flood's calls add to the kernel's CPU: off {off - s_off:+.3f} s   on {on - s_on:+.3f} s")
+
+
+def flood_rounds(kernel: Kernel, job: str, rounds: int) -> tuple[Series, Series]:
+    """Kernel CPU and cell busy time of a launch of ``job``, dashboard on and off, interleaved."""
+    cpu: Series = {"on": [], "off": []}
+    wall: Series = {"on": [], "off": []}
     for index in range(rounds):
         order = ("on", "off") if index % 2 == 0 else ("off", "on")
         for variant in order:
             out = kernel.run(
-                f"print(json.dumps(kernel_cpu(lambda: [notebook_launcher(flood, args=({calls},), num_processes=2, "
+                f"print(json.dumps(kernel_cpu(lambda: [notebook_launcher({job}, num_processes=2, "
                 f"start_method='fork', output='none', dashboard={variant == 'on'})])))"
             )
             cpu[variant].append(json.loads(out.strip().splitlines()[-1])[-1])
             wall[variant].append((kernel.idle_at - kernel.busy_at).total_seconds())
-    on, off = statistics.median(cpu["on"]), statistics.median(cpu["off"])
-    print(f"  kernel CPU s: dashboard off {off:.2f}   on {on:.2f}   ratio {on / off:.3f}x"
-          f"   (rounds off {', '.join(f'{v:.2f}' for v in cpu['off'])}; on {', '.join(f'{v:.2f}' for v in cpu['on'])})")
-    w_on, w_off = statistics.median(wall["on"]), statistics.median(wall["off"])
-    print(f"  cell busy s:  dashboard off {w_off:.2f}   on {w_on:.2f}   ratio {w_on / w_off:.3f}x")
-    per_call = (on - off) / (2 * calls) * 1e6
-    print(f"  the dashboard adds {on - off:.2f} s of kernel CPU: {per_call:.2f} us per log call")
-
-
-Series = dict[str, list[float]]
+    return cpu, wall
 
 
 def log_storm(kernel: Kernel, seconds: float, rounds: int) -> tuple[Series, Series, Series, Series, Series]:
