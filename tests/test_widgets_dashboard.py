@@ -203,3 +203,18 @@ def test_a_large_plot_is_sent_less_often(board, monkeypatch):
         dashboard.on_event(OutputLine(0, "stdout", f"step {step}", False))  # redraws come with events
     assert len(dashboard.plot.value) > 7 * 50_000
     assert 1 <= len(plot) <= 4  # not once a second
+
+
+def test_a_rank_s_output_panel_shows_its_last_lines_within_a_size(board):
+    from notebook_launcher.widgets.html import OUTPUT_CHARS_SHOWN
+
+    dashboard, clock = board
+    for i in range(400):
+        dashboard.on_event(OutputLine(0, "stdout", f"{i:04d} " + "z" * 1500, False))
+    clock.now += 5
+    dashboard.on_event(OutputLine(0, "stdout", "the last line", False))
+    shown = dashboard.outputs[0].value
+    assert "the last line" in shown and "0399 " in shown and "0000 " not in shown
+    assert OUTPUT_CHARS_SHOWN - 2000 < len(shown) < OUTPUT_CHARS_SHOWN + 1000
+    dashboard.on_event(LaunchFinished("ok", 5.0))
+    assert all(not row.output for row in dashboard.record.rows.values())  # let go once finished

@@ -184,3 +184,38 @@ def test_without_a_widget_frontend_the_launch_reads_as_text(kernel, tmp_path):
     assert final[0].startswith("notebook_launcher: 2 x cpu ranks, fp32, fork: failed after")
     assert final[2].split()[:2] == ["0", "stopped"]
     assert final[3].split()[:2] == ["1", "failed"] and final[3].endswith("ValueError: rank 1 gives up")
+
+
+def test_a_huge_line_and_many_lines_reach_the_widgets_cut_and_leave_nothing_held(kernel, tmp_path):
+    gate = tmp_path / "gate"
+    msg_id = kernel.submit(
+        f"""
+        def long_lines():
+            while not os.path.exists({str(gate)!r}):  # until the live widgets are shown
+                time.sleep(0.01)
+            for i in range(3000):
+                print(f"line {{i}}", flush=True)
+            print("x" * 20_000_000, flush=True)  # 20 MB, no line break inside
+            print("y" * 3000, flush=True)
+        notebook_launcher(long_lines, num_processes=1)
+        """
+    )
+    live = kernel.collect(msg_id, until_message="display_data")
+    gate.touch()
+    cell = kernel.collect(msg_id)
+    cell.messages[:0] = live.messages
+    assert cell.error is None, cell.error
+    models = opened(cell)
+    output = next(i for i, s in models.items() if s["_model_name"] == "HTMLModel" and "<pre" in s["value"])
+    shown = updates(cell, output)[-1]["content"]["data"]["state"]["value"]
+    assert "x" * 2000 + "… (19,998,000 more characters)" in shown and "y" * 2000 + "… (1,000 more" in shown
+    assert len(shown) < 150_000  # the panel's last lines, not 20 MB
+    widget_bytes = sum(len(str(m["content"])) for m in cell.messages if m["msg_type"].startswith("comm_"))
+    assert widget_bytes < 2_000_000
+    # The cell's own output has every character; the kernel keeps none of the lines.
+    assert "x" * 20_000_000 in cell.stdout
+    held = kernel.run(
+        "from notebook_launcher.widgets import history\n"
+        "print(sum(len(row.output) for row in history._records[-1].rows.values()))"
+    )
+    assert held.stdout.strip() == "0"

@@ -208,9 +208,10 @@ class WidgetDashboard:
             layout=w.Layout(display="none", max_width="100%", overflow="auto"), style=style
         )
         self.outputs = [
-            w.HTML(views.output_html(self.record.rows[r], 0), layout=layout, style=style)
+            w.HTML(views.output_html(self.record.rows[r], OUTPUT_LINES_SHOWN), layout=layout, style=style)
             for r in sorted(self.record.rows)
         ]
+        self._shown["output"], self._last["output"] = self.record.output_version, now
         # One tab per rank inside one collapsed section: 16 ranks take one row, not 16.
         self.tabs = w.Tab(children=self.outputs, layout=layout)
         self.accordion = w.Accordion(children=[self.tabs], selected_index=None, layout=layout)
@@ -274,6 +275,7 @@ class WidgetDashboard:
                 widget.close()
             except Exception:
                 continue
+        self.record.forget_output()  # kept among the kernel's launches, it shows none of it
 
     def _previous_curves(self) -> dict[tuple[str, int], Any] | None:
         return self.previous.shown_curves() if self.previous is not None else None

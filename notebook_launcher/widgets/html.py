@@ -8,6 +8,7 @@ so the table reads in light and dark themes alike; nothing is fetched at render 
 from __future__ import annotations
 
 import html
+import itertools
 
 from notebook_launcher.widgets.plot import rank_colour
 from notebook_launcher.widgets.record import LaunchRecord, RankRow
@@ -148,9 +149,20 @@ def _progress_html(row: RankRow) -> str:
     return f'{bar}<span class="nl-progress">{html.escape(label)}</span>'
 
 
+OUTPUT_CHARS_SHOWN = 100_000  # of a rank's output panel, sent again whenever a line comes
+
+
 def output_html(row: RankRow, lines: int) -> str:
-    """The rank's last ``lines`` lines, scrolled to the end (column-reverse keeps it there)."""
-    text = "\n".join(list(row.output)[-lines:])
+    """The rank's last ``lines`` lines (at most OUTPUT_CHARS_SHOWN characters of them),
+    scrolled to the end (column-reverse keeps it there)."""
+    shown: list[str] = []
+    size = 0
+    for line in itertools.islice(reversed(row.output), lines):
+        size += len(line) + 1
+        if size > OUTPUT_CHARS_SHOWN and shown:
+            break
+        shown.append(line)
+    text = "\n".join(reversed(shown))
     return (
         '<div style="max-height: 260px; overflow: auto; display: flex; flex-direction: column-reverse;">'
         '<pre style="margin: 0; font-size: 12px; line-height: 1.35; white-space: pre-wrap;">'

@@ -32,6 +32,7 @@ from notebook_launcher.widgets.progress_text import parse_progress_line
 RANK_STATES = ("starting", "running", "done", "failed", "stopped", "not started")
 FINAL_STATES = ("done", "failed", "stopped", "not started")
 OUTPUT_LINES_KEPT = 2000  # per rank; the cell's own output keeps everything
+OUTPUT_LINE_CHARS = 2000  # of each line kept (a 100 MB line would be kept, cleaned and sent whole)
 # Past this many points per curve, every other point is dropped (and from then on only
 # every second, fourth, ... call is kept): memory, drawing time and the cost of a log call
 # stay bounded however long a rank logs, and the curve keeps its shape.
@@ -268,7 +269,10 @@ class LaunchRecord:
     def _on_output(self, event: OutputLine) -> None:
         row = self._row(event.rank)
         self._alive(row)
-        line = dataclasses.replace(event, text=clean_text(event.text))
+        text = event.text
+        if len(text) > OUTPUT_LINE_CHARS:  # cut first: cleaning and parsing cost by the character
+            text = f"{text[:OUTPUT_LINE_CHARS]}… ({len(text) - OUTPUT_LINE_CHARS:,} more characters)"
+        line = dataclasses.replace(event, text=clean_text(text))
         parsed = parse_progress_line(line.text)
         if parsed is not None:
             if row.progress is None or not row.progress.from_core:
@@ -283,6 +287,11 @@ class LaunchRecord:
         row.output.append(line.text if line.stream == "stdout" else f"[stderr] {line.text}")
         row.output_lines += 1
         self.output_version += 1
+
+    def forget_output(self) -> None:
+        """Let the ranks' output lines go (a finished launch's record shows none of them)."""
+        for row in self.rows.values():
+            row.output.clear()
 
     def _on_metrics(self, rank: int, batch: MetricBatch) -> None:
         """Log calls of one rank, in order: the same result whether they come in one batch
