@@ -17,6 +17,8 @@ import signal
 import sys
 from typing import ClassVar, cast
 
+from notebook_launcher.shown_text import cut
+
 
 class LaunchError(RuntimeError):
     """Base of every error the launcher raises."""
@@ -74,7 +76,7 @@ class RankFailure:
         if self.lost:
             return f"{who} was lost: {self.lost}"
         if self.exception_type:
-            text = f"{self.exception_type}: {self.message}" if self.message else self.exception_type
+            text = f"{self.exception_type}: {cut(self.message)}" if self.message else self.exception_type
             return f"{who} raised {text}"
         if self.signal_name:
             description = _SIGNAL_DESCRIPTIONS.get(self.signal_name, "")

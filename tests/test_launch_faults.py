@@ -333,3 +333,17 @@ def test_launch_finished_follows_an_observer_that_raises(leak_check):
         notebook_launcher(time.sleep, (30,), num_processes=2, observers=[broken, watching])
     assert isinstance(watching.events[-1], LaunchFinished) and watching.events[-1].outcome == "error"
     assert registry.list_launches() == []
+
+
+def raise_a_huge_message():
+    raise ValueError("e" * 10_000_000)
+
+
+def test_a_huge_exception_message_is_cut_where_shown_and_kept_whole_in_the_exception(leak_check):
+    with pytest.raises(ValueError) as caught:
+        notebook_launcher(raise_a_huge_message, num_processes=1)
+    shown = str(caught.value)
+    assert "ValueError: " + "e" * 2000 + "… (9,998,000 more characters)" in shown
+    assert len(shown) < 20_000  # not the message twice over (summary and traceback)
+    assert caught.value.__cause__.args[0] == "e" * 10_000_000  # the rank's own exception
+    assert caught.value.failures[0].message == "e" * 10_000_000

@@ -18,6 +18,7 @@ from notebook_launcher.errors import (
 from notebook_launcher.launcher.events import LaunchEvent, LaunchFinished
 from notebook_launcher.launcher.plan import LaunchPlan
 from notebook_launcher.launcher.rank_group import Outcome
+from notebook_launcher.shown_text import cut_lines
 
 
 def finish(
@@ -59,9 +60,9 @@ def rank_failed_error(outcome: Outcome) -> RankFailedError:
         summary = later.summary()
         lines.append(_sentence(f"Afterwards, {summary[0].lower()}{summary[1:]}"))
     if root.traceback:
-        lines += ["", f"Traceback from rank {root.rank}:", root.traceback.rstrip()]
+        lines += ["", f"Traceback from rank {root.rank}:", cut_lines(root.traceback.rstrip())]
     elif root.output_tail:
-        lines += ["", f"Last output of rank {root.rank}:", root.output_tail]
+        lines += ["", f"Last output of rank {root.rank}:", cut_lines(root.output_tail)]
     remote = outcome.remote_exceptions.get(root.rank)
     # Where the exception itself could not travel (an attribute that cannot be pickled),
     # its type alone still makes `except ValueError` work.

@@ -27,12 +27,12 @@ from notebook_launcher.launcher.events import (
     RankStarted,
 )
 from notebook_launcher.launcher.metric_batch import MetricBatch
+from notebook_launcher.shown_text import cut, cut_lines
 from notebook_launcher.widgets.progress_text import parse_progress_line
 
 RANK_STATES = ("starting", "running", "done", "failed", "stopped", "not started")
 FINAL_STATES = ("done", "failed", "stopped", "not started")
 OUTPUT_LINES_KEPT = 2000  # per rank; the cell's own output keeps everything
-OUTPUT_LINE_CHARS = 2000  # of each line kept (a 100 MB line would be kept, cleaned and sent whole)
 # Past this many points per curve, every other point is dropped (and from then on only
 # every second, fourth, ... call is kept): memory, drawing time and the cost of a log call
 # stay bounded however long a rank logs, and the curve keeps its shape.
@@ -269,10 +269,8 @@ class LaunchRecord:
     def _on_output(self, event: OutputLine) -> None:
         row = self._row(event.rank)
         self._alive(row)
-        text = event.text
-        if len(text) > OUTPUT_LINE_CHARS:  # cut first: cleaning and parsing cost by the character
-            text = f"{text[:OUTPUT_LINE_CHARS]}… ({len(text) - OUTPUT_LINE_CHARS:,} more characters)"
-        line = dataclasses.replace(event, text=clean_text(text))
+        # Cut first: cleaning and parsing cost by the character.
+        line = dataclasses.replace(event, text=clean_text(cut(event.text)))
         parsed = parse_progress_line(line.text)
         if parsed is not None:
             if row.progress is None or not row.progress.from_core:
@@ -380,7 +378,7 @@ def record_data(record: LaunchRecord) -> dict[str, Any]:
         ranks.append({
             "rank": rank, "state": row.state, "device": row.device, "pid": row.pid,
             "elapsed": row.elapsed(now), "exitcode": row.exitcode, "error": row.error,
-            "traceback": clean_text(failure.traceback) if failure is not None else None,
+            "traceback": clean_text(cut_lines(failure.traceback)) if failure is not None else None,
             "progress": None if row.progress is None else {
                 "n": row.progress.n, "total": row.progress.total, "description": row.progress.description,
             },

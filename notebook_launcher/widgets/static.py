@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 
+from notebook_launcher.shown_text import cut_lines
 from notebook_launcher.widgets.html import STATE_COLOURS, css_word
 from notebook_launcher.widgets.plot import Drawn, rank_colour
 from notebook_launcher.widgets.record import LaunchRecord, clean_text
@@ -81,7 +82,7 @@ def record_html(record: LaunchRecord, drawn: Drawn | None, plot_problem: str | N
             f"<p><small>The plot could not be drawn: {html.escape(plot_problem)}</small></p>"
         )
     for rank, failure in sorted(record.failures.items()):
-        text = clean_text(failure.traceback or failure.output_tail or failure.summary())
+        text = clean_text(cut_lines(failure.traceback or failure.output_tail or failure.summary()))
         lines = text.rstrip().splitlines()[-_TRACEBACK_LINES:]
         parts.append(
             f"<details><summary>Traceback of rank {rank}</summary>"
