@@ -3,6 +3,11 @@
 Each launch writes one small JSON record into the Jupyter runtime directory and removes
 it when it ends; the server extension lists the records and asks for a stop by creating
 a marker file next to a record, which the launch's monitor loop notices.
+
+A record whose kernel is gone (killed, so it could not close its launch) is cleared by
+the next listing: the sidebar's, or the next launch's on this machine. Its ranks died with
+the kernel, but not what they started in a session of their own (a daemon); the listing
+ends those too.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ class LaunchRecord:
     started_at: float  # seconds since the epoch
     rank_pids: list[int] = dataclasses.field(default_factory=list)
     kind: str = "launch"  # "launch" (one function, then done) or "session" (ranks kept across cells)
+    # The kernel's pid namespace: a record read from another one (a container's, through a
+    # shared runtime directory) names a pid that means nothing here.
+    pid_namespace: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -57,7 +65,8 @@ class RegisteredLaunch:
     """The record of one running launch, owned by the kernel that runs it."""
 
     def __init__(self, record: LaunchRecord) -> None:
-        self.record = record
+        list_launches()  # clears what launches of dead kernels left behind
+        self.record = dataclasses.replace(record, pid_namespace=_pid_namespace())
         self._dir = registry_dir()
         self._path = self._dir / f"{record.launch_id}.json"
         self._stop_path = self._dir / f"{record.launch_id}.stop"
@@ -94,6 +103,8 @@ def list_launches() -> list[LaunchRecord]:
         if _pid_alive(record.kernel_pid):
             records.append(record)
         else:
+            if record.pid_namespace and record.pid_namespace == _pid_namespace():
+                _end_left_behind(record.launch_id)
             for stale in (path, path.with_suffix(".stop")):
                 with contextlib.suppress(FileNotFoundError):
                     stale.unlink()
@@ -111,6 +122,23 @@ def request_stop(launch_id: str) -> bool:
     return True
 
 
+def _end_left_behind(launch_id: str) -> None:
+    """End the processes a launch of a dead kernel left: its ranks' daemons."""
+    if not launch_id.isalnum():  # a record written by hand: it marks nothing of ours
+        return
+    from notebook_launcher.launcher import descendants  # the registry itself is below the launcher
+
+    with contextlib.suppress(Exception):  # a listing must not fail on it
+        descendants.end_marked_processes(launch_id)
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:  # not Linux: no daemon is searched for anyway
+        return ""
+
+
 def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data))
@@ -124,4 +152,8 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # a killed kernel its parent has not reaped yet is a zombie: dead all the same
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True

@@ -165,3 +165,33 @@ def test_input_in_a_rank_fails_at_once_even_where_the_frontend_answers_input(ker
     )
     assert cell.error["ename"] == "RankFailedError[RankInputError]"
     assert "input() (prompt 'learning rate? ') cannot be used in a rank" in cell.error["evalue"]
+
+
+def test_a_daemon_of_a_rank_is_ended_by_the_next_listing_after_its_kernel_was_killed(tmp_path):
+    from notebook_launcher import registry
+
+    doomed = RunningKernel()
+    try:
+        msg_id = doomed.submit(
+            """
+            import subprocess, time
+            from notebook_launcher import notebook_launcher
+            def start_a_daemon_then_wait():
+                daemon = subprocess.Popen(["sleep", "304"], start_new_session=True)
+                print("daemon", daemon.pid, flush=True)
+                time.sleep(600)
+            notebook_launcher(start_a_daemon_then_wait, num_processes=1)
+            """
+        )
+        # The launcher prints a rank's lines whole: the pid comes with the word.
+        cell = doomed.collect(msg_id, until="daemon ")
+        daemon = psutil.Process(int(cell.stdout.split("daemon ", 1)[1].split()[0]))
+        ranks = psutil.Process(doomed.pid).children()  # and the forkserver, say: all die with it
+        os.kill(doomed.pid, signal.SIGKILL)
+        psutil.wait_procs(ranks, timeout=120)  # the ranks die with their kernel at once
+        assert daemon.is_running()  # in a session of its own, nobody ended it so far
+        # What the sidebar's listing (or the next launch on this machine) does.
+        assert all(r.kernel_pid != doomed.pid for r in registry.list_launches())
+        daemon.wait(timeout=120)  # a safety net: it was sent SIGKILL by the listing
+    finally:
+        doomed.shutdown()
