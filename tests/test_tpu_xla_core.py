@@ -125,6 +125,20 @@ def test_a_loader_left_early_and_a_thread_left_running_do_not_hold_the_rank(tpu_
     assert values == [{"loader_threads": [], "loader_workers": 0}] * tpu_machine.chips
 
 
+@pytest.fixture
+def no_inductor_cache_dir(monkeypatch):
+    """The kernel has not used torch's compiler yet: torch sets this on first use."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+
+
+@pytest.mark.parametrize("tpu_machine", ["kaggle-v3-8"], indirect=True)
+def test_no_variable_is_added_to_the_environment_while_two_replicas_run(
+    tpu_machine, no_inductor_cache_dir, leak_check
+):
+    # Adding one moves the C environment's array under the other replica's getenv: SIGSEGV.
+    assert notebook_launcher(cases.variables_added_while_training, return_all=True) == [[]] * 4
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tpu_machine", ["kaggle-v3-8"], indirect=True)
 def test_v3_replicas_of_one_process_start_from_replica_0s_weights(tpu_machine, leak_check):

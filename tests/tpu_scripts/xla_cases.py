@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import os
 import threading
 from typing import Any
 
@@ -187,3 +188,10 @@ def clipped_step_in_one_process(replicas: int) -> dict[str, Any]:
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     return {"norm": float(norm), "weight": model.weight.detach().tolist()}
+
+
+def variables_added_while_training() -> list[str]:
+    """Names a replica saw added to the environment during a training step (see the test)."""
+    before = set(os.environ)
+    train_a_seeded_model()
+    return sorted(set(os.environ) - before)

@@ -459,8 +459,23 @@ def _end_at_exit_despite_threads() -> None:
 
 def _first_replica(payload: Any) -> Any:
     function, args, kwargs = _unpack(payload)
+    if _launch is not None and os.getpid() != _launch.supervisor_pid:  # never the kernel's own
+        _add_lazy_variables()
     _ready.set()  # the rank's pipes and environment are in place
     return function(*args, **kwargs)
+
+
+def _add_lazy_variables() -> None:
+    """Add now what torch adds to the environment on first use, while no other replica runs.
+
+    Adding a variable may move the C environment's array (setenv reallocates it), and
+    another replica thread reading it meanwhile (a getenv in torch's C++ code) crashed
+    with SIGSEGV. Replacing a variable's value never moves the array.
+    """
+    with contextlib.suppress(Exception):  # a torch without it: nothing to add
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        cache_dir()  # TORCHINDUCTOR_CACHE_DIR, set by the first optimizer step or compile
 
 
 def _run_extra_replica(payload: Any) -> None:
