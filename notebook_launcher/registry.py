@@ -65,7 +65,8 @@ class RegisteredLaunch:
     """The record of one running launch, owned by the kernel that runs it."""
 
     def __init__(self, record: LaunchRecord) -> None:
-        list_launches()  # clears what launches of dead kernels left behind
+        with contextlib.suppress(Exception):  # the registry only helps: it never stops a launch
+            list_launches()  # clears what launches of dead kernels left behind
         self.record = dataclasses.replace(record, pid_namespace=_pid_namespace())
         self._dir = registry_dir()
         self._path = self._dir / f"{record.launch_id}.json"
@@ -81,7 +82,7 @@ class RegisteredLaunch:
 
     def close(self) -> None:
         for path in (self._path, self._stop_path):
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # never written (a runtime dir unusable), or gone
                 path.unlink()
 
     def _write(self) -> None:

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from notebook_launcher import rank_env, registry
+from notebook_launcher import notebook_launcher, rank_env, registry
 from notebook_launcher.registry import LaunchRecord
 
 
@@ -74,3 +74,18 @@ def test_a_zombie_kernel_counts_as_dead(runtime_dir):
     registry.RegisteredLaunch(record)
     assert registry.list_launches() == []
     kernel.wait()
+
+
+def one() -> int:
+    return 1
+
+
+@pytest.fixture
+def unusable_runtime_dir(tmp_path, monkeypatch):
+    path = tmp_path / "not a directory"
+    path.write_text("")  # every listing and write below it fails
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(path))
+
+
+def test_an_unusable_runtime_directory_never_stops_a_launch(unusable_runtime_dir, leak_check):
+    assert notebook_launcher(one, num_processes=1) == 1
