@@ -68,6 +68,7 @@ def test_the_typeddicts_have_the_keys_the_server_really_sends() -> None:
     assert set(offered) == set(handlers.ChoicesJSON.__annotations__)
     assert set(offered["num_processes"]) == set(handlers.NumProcessesChoice.__annotations__)
     assert set(LaunchDefaults().to_dict()) == set(handlers.LaunchDefaultsJSON.__annotations__)
-    record_keys = set(LaunchRecord.__dataclass_fields__) | {"notebook"}
+    # pid_namespace tells the registry which kernel pids it may judge; the sidebar never needs it.
+    record_keys = set(LaunchRecord.__dataclass_fields__) - {"pid_namespace"} | {"notebook"}
     assert record_keys == set(handlers.LaunchInfo.__annotations__)
     json.dumps(report.to_dict())  # plain JSON data
