@@ -75,6 +75,15 @@ class Progress:
         return f"{self.description}: {text}" if self.description else text
 
 
+def _as_floats(ints: array.array) -> array.array:
+    """``ints`` (an array of "q") as an array of doubles, as ``float`` makes them."""
+    import numpy  # a dependency; torch has imported it already in a kernel that launched
+
+    floats = array.array("d")
+    floats.frombytes(numpy.frombuffer(ints, dtype=numpy.int64).astype(numpy.float64).tobytes())
+    return floats
+
+
 def _points_array() -> MutableSequence[float]:
     return array.array("d")  # 8 bytes a point, and nothing for the garbage collector to visit
 
@@ -129,10 +138,13 @@ class Curve:
             stride = self.stride
             # At most as many points as fit before the next thinning, which doubles the stride.
             stop = min(count, index + (POINTS_KEPT + 1 - len(self.values)) * stride)
-            self.steps.extend([
-                float(calls + at if step is None else step)
-                for at, step in zip(range(index, stop, stride), steps[index:stop:stride])
-            ])  # fmt: skip
+            if isinstance(steps, array.array) and steps.typecode == "q":  # ints: converted in C
+                self.steps.extend(_as_floats(steps[index:stop:stride]))
+            else:
+                self.steps.extend([
+                    float(calls + at if step is None else step)
+                    for at, step in zip(range(index, stop, stride), steps[index:stop:stride])
+                ])  # fmt: skip
             self.values.extend(values[index:stop:stride])
             final_kept = stop == count and (count - 1 - index) % stride == 0
             if len(self.values) <= POINTS_KEPT:
