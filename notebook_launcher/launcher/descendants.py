@@ -19,6 +19,9 @@ from collections.abc import Callable, Collection
 from notebook_launcher import rank_env
 
 _PROC = "/proc"
+# SIGKILL to "this process would not die": the kernel ends a killed process at once, unless
+# it is stuck in the kernel (a driver call, a dead network mount).
+KILL_WAIT_S = 5.0
 
 
 def marked_processes(launch_id: str, proc: str = _PROC) -> list[int]:

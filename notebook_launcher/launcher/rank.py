@@ -25,12 +25,11 @@ import cloudpickle
 from notebook_launcher import rank_env
 from notebook_launcher.errors import RankInputError
 from notebook_launcher.launcher.channel import Failure, Hello, Outbox, Progress, RankMessage, Result
-from notebook_launcher.launcher.descendants import end_descendants
+from notebook_launcher.launcher.descendants import KILL_WAIT_S, end_descendants
 from notebook_launcher.launcher.metric_batch import numbers_of, step_of
 from notebook_launcher.launcher.store import SECRET_ENV, protect_env_rendezvous
 from notebook_launcher.tracking import add_metric_flush, add_metric_sink, add_progress_sink
 
-DESCENDANTS_WAIT_S = 5.0  # for what a rank started to end after SIGKILL, as it exits
 _outbox: Outbox | None = None  # this rank's end of the channel
 _forked = False  # started by fork: the kernel's __main__ is this process's __main__
 
@@ -396,5 +395,5 @@ def _exit(code: int) -> None:
     # without running a new program (the launch's id in the environment finds those);
     # they have ended before the launch learns that the rank has.
     with contextlib.suppress(Exception):
-        end_descendants(wait_s=DESCENDANTS_WAIT_S)
+        end_descendants(wait_s=KILL_WAIT_S)
     os._exit(code)

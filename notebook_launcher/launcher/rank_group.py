@@ -53,7 +53,6 @@ from notebook_launcher.launcher.rank import RankSpec, run_rank
 _READ_CHUNK = 1 << 16
 _TAIL_LINES = 200  # enough to hold a crash report of a deep stack
 STOP_GRACE_S = 3.0  # SIGTERM -> SIGKILL
-KILL_WAIT_S = 5.0  # SIGKILL -> "this rank would not die"
 # After a rank exits, what it started may still hold its pipes open this long.
 DRAIN_GRACE_S = 1.0
 _REAP_WAIT_S = 1.0
@@ -173,7 +172,7 @@ class RankGroup:
         with_commands: bool = False,
         stop_on_failure: bool = True,
         grace_s: float = STOP_GRACE_S,
-        kill_wait_s: float = KILL_WAIT_S,
+        kill_wait_s: float = descendants.KILL_WAIT_S,
     ) -> None:
         self.plan = plan
         self.backend = backend

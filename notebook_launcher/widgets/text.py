@@ -96,6 +96,10 @@ def format_seconds(seconds: float) -> str:
 
 
 def shorten(text: str, width: int) -> str:
+    """``text`` on one line of at most ``width`` characters, for a table cell.
+
+    (``shown_text.cut`` bounds a line that is shown whole, and says how much it left out.)
+    """
     text = text.replace("\t", " ").strip()
     return text if len(text) <= width else text[: width - 1] + "…"
 
