@@ -18,7 +18,7 @@ from notebook_launcher.launcher.events import (
     RankStarted,
 )
 from notebook_launcher.widgets import html as views
-from notebook_launcher.widgets.record import POINTS_KEPT, LaunchRecord, failure_line
+from notebook_launcher.widgets.record import METRICS_KEPT, POINTS_KEPT, LaunchRecord, failure_line, record_data
 from notebook_launcher.widgets.text import TextDashboard, summary
 from tests.metric_events import in_batches, logged
 
@@ -232,7 +232,10 @@ def metric_streams() -> dict[str, list[RankMetrics]]:
     ]
     # Two names shown alike ("loss" once its colour codes are removed) share one curve.
     alike = [logged(0, {"loss" if i % 3 else "\x1b[31mloss\x1b[0m": float(i)}, i) for i in range(n)]
-    return {"plain": plain, "no step": no_step, "mixed": mixed, "alike": alike}
+    # A name made per call: past METRICS_KEPT names, values are counted and not kept. (One
+    # rank: which names are the first to reach the kernel depends on how ranks interleave.)
+    per_call = [logged(0, {"loss": float(i), f"sample_{i}": 1.0}, i) for i in range(METRICS_KEPT + 300)]
+    return {"plain": plain, "no step": no_step, "mixed": mixed, "alike": alike, "per call": per_call}
 
 
 def kept(record: LaunchRecord) -> str:
@@ -242,10 +245,10 @@ def kept(record: LaunchRecord) -> str:
         for key, c in sorted(record.curves.items())
     ]
     rows = [(rank, row.state, list(row.last_metrics.items())) for rank, row in sorted(record.rows.items())]
-    return repr((curves, rows))
+    return repr((curves, rows, record.values_not_kept, record.names_not_kept))
 
 
-@pytest.mark.parametrize("stream", ["plain", "no step", "mixed", "alike"])
+@pytest.mark.parametrize("stream", ["plain", "no step", "mixed", "alike", "per call"])
 def test_metrics_taken_in_batches_keep_what_one_by_one_keeps(stream):
     events = metric_streams()[stream]
     alone = LaunchRecord(Clock())
@@ -256,3 +259,27 @@ def test_metrics_taken_in_batches_keep_what_one_by_one_keeps(stream):
         for batch in in_batches(events, size):
             batched.apply(batch)
         assert kept(batched) == kept(alone), size
+
+
+def test_a_metric_name_made_per_call_keeps_a_bounded_record_and_says_what_it_left_out():
+    from notebook_launcher.widgets.plot import render_svg
+    from notebook_launcher.widgets.static import record_html
+
+    clock = Clock()
+    record = LaunchRecord(clock)
+    started(record, clock)
+    calls = METRICS_KEPT + 5000
+    for batch in in_batches(metric_streams()["per call"][:2] + [
+        logged(0, {"loss": 0.5, f"<b>sample</b>_{i}": 1.0}, i) for i in range(calls)
+    ], 700):
+        record.apply(batch)
+    names = {name for name, _ in record.curves}
+    assert len(names) == METRICS_KEPT and "loss" in names
+    assert record.values_not_kept == calls + 2 - (METRICS_KEPT - 1)
+    assert record.rows[0].last_metrics["loss"] == 0.5 and len(record.rows[0].last_metrics) <= METRICS_KEPT
+    note = record.metrics_note()
+    assert note is not None and f"past the first {METRICS_KEPT:,}" in note
+    assert "<b>sample</b>_" in note and len(record.names_not_kept) == 3
+    assert record_data(record)["values_not_kept"] == record.values_not_kept
+    page = record_html(record, render_svg(record.shown_curves()))
+    assert "&lt;b&gt;sample&lt;/b&gt;_" in page and "were not kept" in page and "<b>sample" not in page

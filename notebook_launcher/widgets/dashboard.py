@@ -20,7 +20,6 @@ written without the plot, and the table always reaches its final state.
 from __future__ import annotations
 
 import collections
-import html
 import threading
 import time
 import warnings
@@ -307,7 +306,8 @@ class WidgetDashboard:
         started = time.perf_counter()
         self._shown["curves"] = self.record.curves_version
         drawn = render_svg(self.record.shown_curves(), self._previous_curves())
-        self.plot.value = f'{drawn.svg}<div style="font-size: 11px; opacity: 0.65;">{html.escape(drawn.caption)}</div>'
+        caption = views.plot_caption(self.record, drawn)
+        self.plot.value = f'{drawn.svg}<div style="font-size: 11px; opacity: 0.65;">{caption}</div>'
         self._plot_bytes = len(self.plot.value)
         self.plot.layout.display = ""
         self.plot_draws += 1

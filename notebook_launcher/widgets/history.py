@@ -44,8 +44,9 @@ def launches() -> list[dict[str, Any]]:
     exactly), ...) and ``metrics``
     (``{name: {rank: {"steps": [...], "values": [...], "logged": n}}}``; past 4,000
     points a curve keeps an evenly thinned subset that always ends with the last point
-    logged, ``logged`` counts them all). Only launches run with a dashboard (the
-    default) are kept, the last 20.
+    logged, ``logged`` counts them all; the first 1,000 metric names are kept, and
+    ``values_not_kept`` counts values logged under later ones). Only launches run with
+    a dashboard (the default) are kept, the last 20.
     """
     with _lock:
         records = list(_records)

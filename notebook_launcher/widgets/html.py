@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 import itertools
 
-from notebook_launcher.widgets.plot import rank_colour
+from notebook_launcher.widgets.plot import Drawn, rank_colour
 from notebook_launcher.widgets.record import LaunchRecord, RankRow
 from notebook_launcher.widgets.text import format_seconds, headline, shorten
 
@@ -168,3 +168,9 @@ def output_html(row: RankRow, lines: int) -> str:
         '<pre style="margin: 0; font-size: 12px; line-height: 1.35; white-space: pre-wrap;">'
         f"{html.escape(text) or '(no output yet)'}</pre></div>"
     )
+
+
+def plot_caption(record: LaunchRecord, drawn: Drawn) -> str:
+    """Under the plot, as HTML: what it shows, and what was logged but not kept."""
+    note = record.metrics_note()
+    return html.escape(f"{drawn.caption}; {note}" if note else drawn.caption)

@@ -38,6 +38,11 @@ OUTPUT_LINES_KEPT = 2000  # per rank; the cell's own output keeps everything
 # stay bounded however long a rank logs, and the curve keeps its shape.
 POINTS_KEPT = 4000
 NONFINITE_KEPT = 200  # NaN/inf points kept per curve besides the thinned ones, to mark them
+# Metric names kept per launch, the first to reach the kernel: a name made per sample or
+# per step (f"loss_{i}") would otherwise keep a curve each, in a record the kernel holds
+# among its last launches. Values logged under later names are counted, not kept.
+METRICS_KEPT = 1000
+_NAMES_NOT_KEPT_SHOWN = 3
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-_]")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
@@ -206,6 +211,8 @@ class LaunchRecord:
         self.curves: dict[tuple[str, int], Curve] = {}  # (metric, rank)
         self._names: dict[str, str] = {}  # metric name as logged -> as shown
         self._by_raw: dict[tuple[str, int], Curve] = {}  # (metric as logged, rank)
+        self.values_not_kept = 0  # logged under names past the first METRICS_KEPT
+        self.names_not_kept: list[str] = []  # the first few of those names, as shown
         self.failures: dict[int, RankFailure] = {}
         self.notice: str | None = None  # the latest line of an event without a row of its own
         self.wall_started_at = time.time()
@@ -316,12 +323,16 @@ class LaunchRecord:
         if row.state == "starting":
             row.state = "running"
         curves = [self._by_raw.get((name, rank)) or self._new_curve(name, rank) for name in batch.columns]
-        if len(set(map(id, curves))) < len(curves):
+        kept = [curve for curve in curves if curve is not None]
+        if len(set(map(id, kept))) < len(kept):
             # Names shown alike share a curve, whose points must keep the calls' order.
             self._metrics_one_by_one(row, batch)
         else:
             last, shown = row.last_metrics, self._names
             for (name, column), curve in zip(batch.columns.items(), curves):
+                if curve is None:
+                    self.values_not_kept += len(column.values)
+                    continue
                 steps = batch.steps_of(column)
                 if column.finite:
                     curve.extend(column.values, steps)
@@ -335,16 +346,28 @@ class LaunchRecord:
         by_raw, names, last = self._by_raw, self._names, row.last_metrics
         for step, logged in zip(batch.steps, batch.calls()):
             for name, value in logged.items():
-                by_raw[(name, row.rank)].add(step, value)
+                curve = by_raw.get((name, row.rank))
+                if curve is None:
+                    self.values_not_kept += 1
+                    continue
+                curve.add(step, value)
                 last[names[name]] = value
 
-    def _new_curve(self, name: str, rank: int) -> Curve:
-        curve = self._by_raw[(name, rank)] = self._curve(name, rank)
+    def _new_curve(self, name: str, rank: int) -> Curve | None:
+        """The curve for a name first logged by ``rank``; None past ``METRICS_KEPT`` names."""
+        curve = self._curve(name, rank)
+        if curve is not None:
+            self._by_raw[(name, rank)] = curve
         return curve
 
-    def _curve(self, name: str, rank: int) -> Curve:
+    def _curve(self, name: str, rank: int) -> Curve | None:
         shown = self._names.get(name)
         if shown is None:
+            if len(self._names) >= METRICS_KEPT:
+                missed = _metric_name(name)
+                if len(self.names_not_kept) < _NAMES_NOT_KEPT_SHOWN and missed not in self.names_not_kept:
+                    self.names_not_kept.append(missed)
+                return None
             shown = self._names[name] = _metric_name(name)
         curve = self.curves.get((shown, rank))
         if curve is None:
@@ -358,6 +381,16 @@ class LaunchRecord:
         if event.failure is not None:
             row.error = clean_text(failure_line(event.failure))
             self.failures[event.rank] = event.failure
+
+    def metrics_note(self) -> str | None:
+        """What was logged but not kept, in a sentence; None when everything was kept."""
+        if not self.values_not_kept:
+            return None
+        names = ", ".join(self.names_not_kept)
+        return (
+            f"{self.values_not_kept:,} value{'s' if self.values_not_kept != 1 else ''} logged "
+            f"under metric names past the first {METRICS_KEPT:,} ({names}, …) were not kept"
+        )
 
     def shown_curves(self) -> dict[tuple[str, int], Curve]:
         """The curves by the names they are shown under (metric names cleaned)."""
@@ -401,6 +434,7 @@ def record_data(record: LaunchRecord) -> dict[str, Any]:
         "ended_at": record.ended_at, "num_processes": record.num_processes,
         "accelerator": record.accelerator, "mixed_precision": record.mixed_precision,
         "start_method": record.start_method, "ranks": ranks, "metrics": metrics,
+        "values_not_kept": record.values_not_kept,
     }  # fmt: skip
 
 

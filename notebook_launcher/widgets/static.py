@@ -13,7 +13,7 @@ from __future__ import annotations
 import html
 
 from notebook_launcher.shown_text import cut_lines
-from notebook_launcher.widgets.html import STATE_COLOURS, css_word
+from notebook_launcher.widgets.html import STATE_COLOURS, css_word, plot_caption
 from notebook_launcher.widgets.plot import Drawn, rank_colour
 from notebook_launcher.widgets.record import LaunchRecord, clean_text
 from notebook_launcher.widgets.text import format_seconds, headline, progress_text, shorten
@@ -76,7 +76,7 @@ def record_html(record: LaunchRecord, drawn: Drawn | None, plot_problem: str | N
     )
     if drawn is not None and drawn.svg:
         parts.append(f"<div>{drawn.svg}</div>")
-        parts.append(f"<p><small>{html.escape(drawn.caption)}</small></p>")
+        parts.append(f"<p><small>{plot_caption(record, drawn)}</small></p>")
     if plot_problem:
         parts.append(
             f"<p><small>The plot could not be drawn: {html.escape(plot_problem)}</small></p>"
