@@ -232,6 +232,36 @@ def test_a_rank_leaving_while_another_waits_is_named_whichever_end_the_kernel_se
         assert "Before that, rank 1 (sys.exit(0)) had already exited early, while rank 0 still needed it" in str(caught.value)
 
 
+def exit_then_linger_in_the_release_of_the_group():
+    import sys
+
+    import torch.distributed as dist
+
+    from notebook_launcher.launcher import rank as rank_process
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        def release_then_linger():  # as a busy machine may: the process ends long after
+            dist.destroy_process_group()
+            time.sleep(600)
+
+        rank_process._release_process_group = release_then_linger  # this rank process's own
+        sys.exit(0)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_rank_stopped_while_it_exits_after_returning_is_still_named_as_the_cause(leak_check):
+    # Its peer fails at once on the closed connection, and the launch stops the lingering
+    # rank: what it returned was sent before its connections closed, and still counts.
+    with pytest.raises(RankFailedError) as caught:
+        notebook_launcher(exit_then_linger_in_the_release_of_the_group, num_processes=2,
+                          timeout=120, start_method="fork")
+    message = str(caught.value)
+    assert message.startswith("Rank 0 (pid ")
+    assert "Before that, rank 1 (sys.exit(0)) had already exited early, while rank 0 still needed it" in message
+    assert [failure.rank for failure in caught.value.failures] == [0]
+
+
 def test_a_closed_connection_names_the_rank_that_returned_even_if_its_end_was_seen_later():
     from notebook_launcher.errors import RankFailure
     from notebook_launcher.launcher.channel import Result

@@ -116,8 +116,10 @@ def run_rank(
         )
         _report_failure(wrapped)
         _exit(1)
-    _release_process_group()
+    # Sent before the group is released: releasing it closes the connections of peers still
+    # in a collective, which fail and make the launch stop this rank, result sent or not.
     outbox.send(result)  # after the metrics still waiting to leave
+    _release_process_group()
     if spec.return_when_done:
         _flush()
         return

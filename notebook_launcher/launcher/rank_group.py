@@ -51,6 +51,7 @@ from notebook_launcher.launcher.plan import LaunchPlan
 from notebook_launcher.launcher.rank import RankSpec, run_rank
 
 _READ_CHUNK = 1 << 16
+_STOP_EXITCODES = (-signal.SIGTERM, -signal.SIGKILL)  # a rank ended by the group's stop
 _TAIL_LINES = 200  # enough to hold a crash report of a deep stack
 STOP_GRACE_S = 3.0  # SIGTERM -> SIGKILL
 # After a rank exits, what it started may still hold its pipes open this long.
@@ -407,7 +408,11 @@ class RankGroup:
                     rank.rank, rank.pid, exitcode, message.exception_type, message.message,
                     message.traceback, time=message.time,
                 )
-            if isinstance(message, Result) and exitcode in (0, None):
+            # A rank stopped by the group after its result was sent had returned: the
+            # signal only cut short its process's exit.
+            if isinstance(message, Result) and (
+                exitcode in (0, None) or (rank.stop_sent and exitcode in _STOP_EXITCODES)
+            ):
                 self.outcome.results[rank.rank] = message
                 return None
         lost = rank.ended.lost if rank.ended is not None else None
