@@ -70,7 +70,16 @@ class Shutdown:
     seq: int
 
 
-Command = Union[Execute, Call, Push, Pull, Regroup, Shutdown]
+@dataclasses.dataclass(frozen=True)
+class Interrupt:
+    """Command ``seq`` is interrupted. Sent just before the SIGINT: a rank that had not
+    started the command when the signal came finds it queued as it starts, and does not
+    run the command (where it would wait in a collective for a peer that never comes)."""
+
+    seq: int
+
+
+Command = Union[Execute, Call, Push, Pull, Regroup, Shutdown, Interrupt]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ from notebook_launcher.launcher.plan import LaunchPlan
 from notebook_launcher.launcher.rank_group import Rank, RankGroup, RankState
 from notebook_launcher.launcher.run import Emitter, rank_specs
 from notebook_launcher.launcher.store import RendezvousStore, bind_listener
-from notebook_launcher.session.protocol import Command, Join, Ready, Reply
+from notebook_launcher.session.protocol import Command, Interrupt, Join, Ready, Reply
 from notebook_launcher.session.worker import session_rank
 
 
@@ -76,11 +76,14 @@ class SessionRanks:
         except OSError:
             self.group.watch(0.0)  # the rank is gone; its end says how
 
-    def interrupt(self, ranks: list[int]) -> None:
-        """SIGINT to the ranks themselves (not their children, which are not running a cell)."""
+    def interrupt(self, ranks: list[int], seq: int) -> None:
+        """Interrupt command ``seq`` on these ranks: an Interrupt on their command pipes (for a
+        rank that has not started it yet), then SIGINT to the ranks themselves (not their
+        children, which are not running a cell)."""
         for index in ranks:
             rank = self.group.ranks[index]
             if rank.state == RankState.RUNNING and rank.pid is not None:
+                self.send(index, Interrupt(seq))
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(rank.pid, signal.SIGINT)
 

@@ -359,7 +359,7 @@ class Session:
                     raise self._stopped_stuck(pending) from None
                 user_interrupt = True
                 presses.install()  # later presses are counted, not raised
-                ranks.interrupt(pending)
+                ranks.interrupt(pending, seq)
                 interrupted_at = time.monotonic()
                 continue
             for rank in list(pending):
@@ -370,7 +370,7 @@ class Session:
                 pending.remove(rank)
                 if reply.failure is not None and not reply.interrupted and interrupted_at is None and pending:
                     interrupted = list(pending)
-                    ranks.interrupt(pending)
+                    ranks.interrupt(pending, seq)
                     interrupted_at = time.monotonic()
             if ranks.exited or self._stopped_from_outside:
                 self._end()

@@ -34,6 +34,7 @@ from notebook_launcher.session.protocol import (
     Call,
     Command,
     Execute,
+    Interrupt,
     Join,
     Pull,
     Push,
@@ -103,6 +104,7 @@ class Worker:
         self._group_sockets: set[int] = set()
         self._init_group(0)
         self.interrupts = _InterruptWatch(self._break_group)
+        self._commands: Connection | None = None  # the kernel's commands, once serving
 
     # The process group -------------------------------------------------------------
 
@@ -149,6 +151,7 @@ class Worker:
     # Commands ------------------------------------------------------------------------
 
     def loop(self, commands: Connection) -> None:
+        self._commands = commands
         while True:
             try:
                 command: Command = commands.recv()
@@ -156,6 +159,8 @@ class Worker:
                 return  # the kernel is gone
             except KeyboardInterrupt:
                 continue  # an interrupt that came after the cell had ended
+            if isinstance(command, Interrupt):
+                continue  # of a command that has ended: the signal did what was needed
             if isinstance(command, Shutdown):
                 send(Reply(command.seq))
                 return
@@ -164,6 +169,8 @@ class Worker:
     def handle(self, command: Command) -> Reply:
         try:
             with self.interrupts.running():
+                if self._interrupt_queued(command.seq):
+                    raise KeyboardInterrupt  # before it started: its signal found no cell
                 value = self._run(command)
         except BaseException as error:
             # A collective cut off by the interrupt fails with gloo's own error, raised before
@@ -176,6 +183,19 @@ class Worker:
         finally:
             _flush()
         return Reply(command.seq, value=value, group_broken=self.group_broken, owned=self._owned())
+
+    def _interrupt_queued(self, seq: int) -> bool:
+        """Whether the kernel interrupted command ``seq`` before this rank started it.
+
+        Only an Interrupt can be queued behind a command: the kernel sends the next command
+        after the reply. One for an earlier command is stale and dropped.
+        """
+        commands = self._commands
+        while commands is not None and commands.poll():
+            queued = commands.recv()
+            if isinstance(queued, Interrupt) and queued.seq == seq:
+                return True
+        return False
 
     def _run(self, command: Command) -> bytes | None:
         if isinstance(command, Execute):
