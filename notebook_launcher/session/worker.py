@@ -101,7 +101,7 @@ class Worker:
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world_size,
             is_master=False, timeout=timedelta(seconds=300),
         )
-        self._group_sockets: set[int] = set()
+        self._group_sockets: set[tuple[int, int]] = set()  # (descriptor, inode)
         self._init_group(0)
         self.interrupts = _InterruptWatch(self._break_group)
         self._commands: Connection | None = None  # the kernel's commands, once serving
@@ -132,8 +132,10 @@ class Worker:
             return
         # Gloo has no working abort for a pending wait; cutting its peer connections
         # ends the wait with "Connection closed by peer" at once.
-        for fd in self._group_sockets:
+        for fd, inode in self._group_sockets:
             with contextlib.suppress(OSError):
+                if os.fstat(fd).st_ino != inode:
+                    continue  # closed since, and the descriptor reused: not the group's
                 peer = socket.socket(fileno=os.dup(fd))
                 try:
                     peer.shutdown(socket.SHUT_RDWR)
@@ -313,13 +315,15 @@ def send(message: Ready | Reply) -> None:
     rank_runner.send(message)  # type: ignore[arg-type]
 
 
-def _tcp_sockets() -> set[int]:
-    """This process's connected TCP sockets, by descriptor."""
+def _tcp_sockets() -> set[tuple[int, int]]:
+    """This process's connected TCP sockets, by descriptor and inode: an old group's socket
+    closed late frees a descriptor that a new group's socket may take."""
     found = set()
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         with contextlib.suppress(OSError):
-            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            info = os.fstat(fd)
+            if not stat.S_ISSOCK(info.st_mode):
                 continue
             probe = socket.socket(fileno=os.dup(fd))
             try:
@@ -330,7 +334,7 @@ def _tcp_sockets() -> set[int]:
                     and not probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
                 ):
                     probe.getpeername()  # raises when not connected
-                    found.add(fd)
+                    found.add((fd, info.st_ino))
             finally:
                 probe.close()
     return found
