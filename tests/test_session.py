@@ -334,7 +334,7 @@ def test_a_rank_interrupted_before_it_started_the_cell_does_not_run_it():
             os.kill(slow, signal.SIGSTOP)  # as if not scheduled yet when the cell is sent
             ended = threading.Event()
 
-            def resume_once_interrupted():
+            def resume_once_interrupted(ended=ended):
                 deadline = time.monotonic() + 120  # safety nets only
                 while not _signal_pending(slow, signal.SIGINT) and time.monotonic() < deadline:
                     time.sleep(0.01)

@@ -18,7 +18,13 @@ from notebook_launcher.launcher.events import (
     RankStarted,
 )
 from notebook_launcher.widgets import html as views
-from notebook_launcher.widgets.record import METRICS_KEPT, POINTS_KEPT, LaunchRecord, failure_line, record_data
+from notebook_launcher.widgets.record import (
+    METRICS_KEPT,
+    POINTS_KEPT,
+    LaunchRecord,
+    failure_line,
+    record_data,
+)
 from notebook_launcher.widgets.text import TextDashboard, summary
 from tests.metric_events import in_batches, logged
 
