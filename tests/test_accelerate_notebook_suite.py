@@ -1,9 +1,11 @@
 """accelerate's own test cases for its notebook launcher, run against ours.
 
 The file is taken from the installed accelerate (``test_utils/scripts/test_notebook.py``)
-with one change: ``notebook_launcher`` is imported from this package instead. Its six
-cases cover a plain launch, a clean CUDA fork, the static and c10d rendezvous backends,
-``max_restarts`` and ``monitor_interval`` with torch elastic's ``ChildFailedError``.
+with one change: ``notebook_launcher`` is imported from this package instead. Its cases
+cover a plain launch, a clean CUDA fork, the static and c10d rendezvous backends,
+``max_restarts`` and ``monitor_interval`` with torch elastic's ``ChildFailedError`` and,
+in newer releases, the precision the workers see. Every case the installed file has runs;
+only one that needs bitsandbytes (not installed here) may skip.
 """
 
 from __future__ import annotations
@@ -16,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ACCELERATE_IMPORT = "from accelerate import PartialState, notebook_launcher\n"
-OUR_IMPORT = "from accelerate import PartialState\nfrom notebook_launcher import notebook_launcher\n"
+# The cases this test was written against: they must still be there, and pass.
 CASES = (
     "test_can_initialize",
     "test_clean_cuda_fork",
@@ -28,10 +29,25 @@ CASES = (
 )
 
 
+NEEDS_BITSANDBYTES = {"test_problematic_imports"}
+
+
 def accelerate_suite() -> str:
     accelerate = pytest.importorskip("accelerate")
     path = Path(accelerate.__file__).parent / "test_utils" / "scripts" / "test_notebook.py"
     return path.read_text()
+
+
+def with_our_launcher(source: str) -> str:
+    """accelerate's file with ``notebook_launcher`` imported from this package instead."""
+    (line,) = [
+        line for line in source.splitlines()
+        if line.startswith("from accelerate import ") and "notebook_launcher" in line
+    ]  # fmt: skip
+    names = [name.strip() for name in line.removeprefix("from accelerate import ").split(",")]
+    others = ", ".join(name for name in names if name != "notebook_launcher")
+    ours = f"from accelerate import {others}\nfrom notebook_launcher import notebook_launcher"
+    return source.replace(line + "\n", ours + "\n", 1)
 
 
 def run_suite(suite: Path, *select: str) -> subprocess.CompletedProcess[str]:
@@ -51,17 +67,21 @@ def run_suite(suite: Path, *select: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.slow
 def test_accelerates_notebook_launcher_cases_pass_with_only_the_import_changed(tmp_path):
     source = accelerate_suite()
-    assert source.count(ACCELERATE_IMPORT) == 1, "accelerate's test file changed its import"
+    cases = set(re.findall(r"^def (test_\w+)\(", source, re.MULTILINE))
+    assert set(CASES) <= cases, f"accelerate's file no longer has {set(CASES) - cases}"
     suite = tmp_path / "test_accelerate_notebook.py"
-    suite.write_text(source.replace(ACCELERATE_IMPORT, OUR_IMPORT))
+    suite.write_text(with_our_launcher(source))
+    assert "from notebook_launcher import notebook_launcher" in suite.read_text()
     done = run_suite(suite)
     passed = set(re.findall(r"::(\w+) PASSED", done.stdout))
-    if passed == set(CASES) - {"test_fault_tolerant"} and "Timeout" in done.stdout:
+    skipped = set(re.findall(r"::(\w+) SKIPPED", done.stdout))
+    expected = cases - (skipped & NEEDS_BITSANDBYTES)
+    if passed == expected - {"test_fault_tolerant"} and "Timeout" in done.stdout:
         # accelerate's tough_nut_function races by design: a rank that finds the shared
         # queue empty returns without joining the process group, while a rank that took
         # the last item waits in init_process_group for it, under any launcher (it hung
         # here about once in 25 runs, in accelerate's own code). One more run decides.
         done = run_suite(suite, "-k", "test_fault_tolerant")
         passed |= set(re.findall(r"::(\w+) PASSED", done.stdout))
-    assert passed == set(CASES), done.stdout + done.stderr
+    assert passed == expected, done.stdout + done.stderr
     assert done.returncode == 0, done.stdout + done.stderr
