@@ -41,8 +41,8 @@ def daemon_of(launch_id: str) -> subprocess.Popen:
 
 def test_the_daemon_of_a_launch_whose_kernel_died_is_ended_by_the_next_listing(runtime_dir):
     here = os.readlink("/proc/self/ns/pid")
+    daemon = daemon_of("abc123")  # first: a listing that finds the record finds it too
     left_behind("abc123", here)
-    daemon = daemon_of("abc123")
     try:
         assert registry.list_launches() == []
         assert daemon.wait(timeout=120) == -9  # a safety net: it was sent SIGKILL
@@ -54,8 +54,8 @@ def test_the_daemon_of_a_launch_whose_kernel_died_is_ended_by_the_next_listing(r
 
 def test_a_record_from_another_pid_namespace_ends_nothing(runtime_dir):
     # Its pid means nothing here: the launch may well be running (in a container, say).
+    daemon = daemon_of("def456")  # first: a listing that finds the record finds it too
     left_behind("def456", "pid:[1]")
-    daemon = daemon_of("def456")
     try:
         assert registry.list_launches() == []
         assert psutil.Process(daemon.pid).status() != psutil.STATUS_ZOMBIE and daemon.poll() is None

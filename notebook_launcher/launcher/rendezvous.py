@@ -61,6 +61,7 @@ _WORKER_STORE_KEY = "notebook_launcher/worker_store"
 _CLOSING_KEY = "notebook_launcher/closing"
 _DEFAULT_JOIN_TIMEOUT_S = 600.0
 _RETRY_S = 0.2
+_REFUSAL_WAIT_S = 10.0  # how long a host keeps its store for machines that refuse too
 _PROBE_S = 2.0
 _FIRST_WAIT_LINE_S = 1.0  # a peer that comes at once is not worth a line
 _WAIT_LINE_EVERY_S = 5.0
@@ -390,7 +391,11 @@ class NodeRendezvous:
                 json.loads(store.get(f"machine/{r}")) for r in range(num_nodes)
                 if store.check([f"machine/{r}"])
             ]
-            self._refuse_disagreement(machines)
+            try:
+                self._refuse_disagreement(machines)
+            except RendezvousError:
+                self._hold_store_for_refusals(store, len(machines))
+                raise
             joined = tuple(m["group_rank"] for m in machines)
             missing = tuple(r for r in range(num_nodes) if r not in joined)
             if not missing:
@@ -411,6 +416,18 @@ class NodeRendezvous:
                 f"({len(joined)} of {num_nodes} machines joined)",
             )
             time.sleep(_RETRY_S)
+
+    def _hold_store_for_refusals(self, store: Any, joined: int) -> None:
+        """Each machine that joined refuses too; the host keeps its store until they have
+        (bounded), or a machine a moment behind would find the store gone instead of the
+        values it disagrees with."""
+        with contextlib.suppress(Exception):  # the refusal itself is what matters
+            store.add("refused", 1)
+            if not self._hosting:
+                return
+            deadline = time.monotonic() + min(_REFUSAL_WAIT_S, max(0.0, self._clock.remaining()))
+            while store.add("refused", 0) < joined and time.monotonic() < deadline:
+                time.sleep(0.05)
 
     def _refuse_disagreement(self, machines: list[dict[str, Any]]) -> None:
         me = self._me
