@@ -18,6 +18,37 @@ from notebook_launcher import hardware
 os.environ["JUPYTER_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="notebook-launcher-tests-")
 
 
+BROWSER_TESTS = Path(__file__).parent / "browser"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Which tests must share a pytest-xdist worker (``--dist loadgroup``, as ``make test``
+    runs them): the browser tests (one Jupyter server and one chromium), the Ray tests (one
+    cluster at a time: each takes a core and over a GB), and the tests of a module that
+    share a fixture made once per module (a kernel, a launch). The rest spread freely."""
+    for item in items:
+        if BROWSER_TESTS in Path(str(item.fspath)).parents:
+            group = "browser"
+        elif item.get_closest_marker("ray") is not None:
+            group = "ray"
+        elif _shares_a_module_fixture(item):
+            group = item.nodeid.split("::", 1)[0]
+        else:
+            continue
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _shares_a_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(
+        definition.scope in ("module", "class", "package")
+        for definitions in info.name2fixturedefs.values()
+        for definition in definitions
+    )
+
+
 def rank_processes(pid: int | None = None) -> list[psutil.Process]:
     """Descendants of ``pid`` other than multiprocessing's long-lived helpers.
 

@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (the app and browser fixtures are shared with test_widgets)
 """The dashboard in JupyterLab 4 and Notebook 7 through chromium: hover on the live plot,
 a failed rank's error inside the output area, the record left when the launch ends, and
 that record after the notebook is saved, its kernel shut down and the page opened again.
@@ -6,16 +5,14 @@ Screenshots go to docs/ (the dashboard page shows them) and artifacts/."""
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from tests.browser.test_widgets import ROOT, App, _screenshot, app, browser  # noqa: F401  (fixtures)
+from tests.browser.conftest import KERNEL_IDLE, ROOT, App, screenshot
 
 pytestmark = pytest.mark.timeout(600)
 DOCS = ROOT / "docs"
@@ -50,19 +47,6 @@ except ValueError:
 """
 
 
-def _kernels(app: App) -> list[dict]:
-    with urllib.request.urlopen(f"{app.url}api/kernels?token={app.token}", timeout=10) as reply:
-        return json.loads(reply.read())
-
-
-def _shut_down_kernels(app: App) -> None:
-    for kernel in _kernels(app):
-        request = urllib.request.Request(
-            f"{app.url}api/kernels/{kernel['id']}?token={app.token}", method="DELETE"
-        )
-        urllib.request.urlopen(request, timeout=30).close()
-
-
 def _open(page: object, app: App) -> None:
     page.goto(app.notebook_url(NAME))  # type: ignore[attr-defined]
     page.locator(".jp-Notebook").wait_for()  # type: ignore[attr-defined]
@@ -94,10 +78,7 @@ def page(browser: object, app: App, gate: Path, console: list[str]) -> Iterator[
     page.on("console", lambda message: console.append(f"{message.type}: {message.text}"))
     page.set_default_timeout(60_000)
     _open(page, app)
-    page.wait_for_function(
-        "() => window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel?.status === 'idle'",
-        timeout=120_000,
-    )
+    page.wait_for_function(KERNEL_IDLE, timeout=120_000)
     page.evaluate("() => { void window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
     yield page
     gate.touch()
@@ -119,7 +100,7 @@ def test_hovering_the_live_plot_shows_step_rank_and_value(
     expect(live.locator("tr.nl-running")).to_have_count(2)
     live.locator("svg .nl-point circle").last.hover()
     assert not gate.exists()
-    _screenshot(live, f"dashboard-{app.name}-live")
+    screenshot(live, f"dashboard-{app.name}-live")
     live.screenshot(path=str(DOCS / f"dashboard-live-{app.name}.png"))
 
 
@@ -153,10 +134,7 @@ def test_the_saved_notebook_reopened_without_its_kernel_still_shows_the_record(
     from playwright.sync_api import expect
 
     expect(page.locator(RECORD)).to_be_visible(timeout=180_000)  # type: ignore[attr-defined]
-    page.wait_for_function(  # type: ignore[attr-defined]
-        "() => window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel?.status === 'idle'",
-        timeout=120_000,
-    )
+    page.wait_for_function(KERNEL_IDLE, timeout=120_000)  # type: ignore[attr-defined]
     page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")  # type: ignore[attr-defined]
     saved = app.root_dir / NAME
     deadline = time.monotonic() + 60
@@ -164,7 +142,7 @@ def test_the_saved_notebook_reopened_without_its_kernel_still_shows_the_record(
         assert time.monotonic() < deadline, "the notebook was not saved"
         time.sleep(0.2)
     assert "application/vnd.jupyter.widget-view+json" not in saved.read_text()
-    _shut_down_kernels(app)
+    app.server.shut_down_kernels()
     _open(page, app)
     record = page.locator(RECORD)  # type: ignore[attr-defined]
     expect(record).to_be_visible()
@@ -188,4 +166,4 @@ def test_the_sidebar_loads_without_a_console_error_and_opens(
     sidebar = page.locator("#notebook-launcher-sidebar")  # type: ignore[attr-defined]
     expect(sidebar).to_be_visible()
     expect(sidebar).to_contain_text("Launch defaults")
-    _screenshot(page, f"sidebar-{app.name}")
+    screenshot(page, f"sidebar-{app.name}")

@@ -1,10 +1,7 @@
 """The "Distributed" sidebar in a real JupyterLab, driven through Debian's chromium.
 
-JupyterLab runs on loopback with a token, in temporary Jupyter directories; the lab
-extension is the one built into notebook_launcher/labextension. Screenshots go to
-artifacts/. Needs `apt-get install chromium` and a built extension (`jlpm build:prod`
-in extension/); without them the tests are skipped, unless NOTEBOOK_LAUNCHER_BROWSER_TESTS=1
-(as in CI), where they fail instead.
+The shared server and browser come from tests/browser/conftest.py; screenshots go to
+artifacts/.
 """
 
 from __future__ import annotations
@@ -12,180 +9,44 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import nbformat
 import pytest
 
-import notebook_launcher
 from notebook_launcher import defaults as launch_defaults
 from notebook_launcher.hardware import available_cpu_count
+from tests.browser.conftest import KERNEL_IDLE, JupyterServer, screenshot
 
 pytestmark = pytest.mark.timeout(240)
 
-ROOT = Path(__file__).resolve().parents[2]
-ARTIFACTS = ROOT / "artifacts"
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--no-first-run",
-]
-LABEXTENSION = "notebook-launcher-labextension"
-BUILT = Path(notebook_launcher.__file__).parent / "labextension"
 SIDEBAR_TAB = 'li[data-id="notebook-launcher-sidebar"]'
 SIDEBAR = "#notebook-launcher-sidebar"
 
 
-def _missing(what: str) -> None:
-    if os.environ.get("NOTEBOOK_LAUNCHER_BROWSER_TESTS") == "1":
-        pytest.fail(what)
-    pytest.skip(what)
-
-
-@dataclass
-class Lab:
-    url: str
-    token: str
-    root_dir: Path
-    config_dir: Path
-    env: dict[str, str]
-
-    def page_url(self, path: str = "lab") -> str:
-        return f"{self.url}{path}?reset&token={self.token}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_until_up(url: str, token: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"JupyterLab exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}api/status?token={token}", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.3)
-    pytest.fail(f"JupyterLab did not answer at {url} within 90 s:\n{log.read_text()[-3000:]}")
-
-
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
-    if not CHROMIUM.exists():
-        _missing(f"{CHROMIUM} is missing: apt-get install -y chromium")
-    if not (BUILT / "package.json").exists():
-        _missing(
-            f"the lab extension is not built ({BUILT}): run `jlpm install && jlpm build:prod` in extension/"
-        )
-    base = tmp_path_factory.mktemp("lab")
-    dirs = {
-        name: base / name
-        for name in (
-            "root",
-            "config",
-            "data",
-            "runtime",
-            "share",
-            "settings",
-            "user-settings",
-            "workspaces",
-        )
-    }
-    for path in dirs.values():
-        path.mkdir()
-    # The built extension, as `pip install` would place it (first on the search path).
-    (dirs["share"] / "labextensions").mkdir()
-    (dirs["share"] / "labextensions" / LABEXTENSION).symlink_to(BUILT, target_is_directory=True)
-    (dirs["settings"] / "overrides.json").write_text(
-        json.dumps({"@jupyterlab/apputils-extension:notification": {"fetchNews": "false"}})
-    )
-    (dirs["config"] / "jupyter_server_config.json").write_text(
-        json.dumps({"ServerApp": {"jpserver_extensions": {"notebook_launcher.server": True}}})
-    )
-    env = {
-        **os.environ,
-        "JUPYTER_CONFIG_DIR": str(dirs["config"]),
-        "JUPYTER_DATA_DIR": str(dirs["data"]),
-        "JUPYTER_RUNTIME_DIR": str(dirs["runtime"]),
-        "JUPYTER_PATH": str(dirs["share"]),
-        "JUPYTERLAB_SETTINGS_DIR": str(dirs["user-settings"]),
-        "JUPYTERLAB_WORKSPACES_DIR": str(dirs["workspaces"]),
-        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-    }
-    port, token = _free_port(), secrets.token_hex(16)
-    log = base / "jupyterlab.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [
-                sys.executable, "-m", "jupyterlab",
-                "--no-browser", "--allow-root", "--expose-app-in-browser",
-                "--ip=127.0.0.1", f"--port={port}",
-                f"--IdentityProvider.token={token}",
-                f"--ServerApp.root_dir={dirs['root']}",
-                f"--LabApp.app_settings_dir={dirs['settings']}",
-            ],
-            env=env, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}/"
-    try:
-        _wait_until_up(url, token, process, log)
-        yield Lab(url, token, dirs["root"], dirs["config"], env)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-@pytest.fixture(scope="module")
-def browser(lab: Lab) -> Iterator[object]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
+def lab(jupyter_server: JupyterServer, module_folder: str) -> Iterator[JupyterServer]:
+    """The shared server; the defaults these tests save are removed when they end, so that
+    the other browser tests launch with the package's own defaults."""
+    yield jupyter_server
+    (jupyter_server.config_dir / "notebook_launcher" / "defaults.json").unlink(missing_ok=True)
 
 
 @pytest.fixture
-def page(browser: object, lab: Lab, request: pytest.FixtureRequest) -> Iterator[object]:
+def page(browser: object, lab: JupyterServer, request: pytest.FixtureRequest) -> Iterator[object]:
     context = browser.new_context(viewport={"width": 1400, "height": 900})  # type: ignore[attr-defined]
     page = context.new_page()
     page.set_default_timeout(30_000)
     failed_before = request.session.testsfailed
     yield page
     if request.session.testsfailed > failed_before:  # what the page showed when it failed
-        _screenshot(page, f"failed-{request.node.name}")
+        screenshot(page, f"failed-{request.node.name}")
     context.close()
 
 
-def _screenshot(page: object, name: str) -> Path:
-    ARTIFACTS.mkdir(exist_ok=True)
-    path = ARTIFACTS / f"{name}.png"
-    page.screenshot(path=str(path))  # type: ignore[attr-defined]
-    return path
-
-
-def _open_sidebar(page: object, lab: Lab, path: str = "lab") -> object:
+def _open_sidebar(page: object, lab: JupyterServer, path: str = "lab") -> object:
     page.goto(lab.page_url(path))  # type: ignore[attr-defined]
     page.locator(SIDEBAR_TAB).click()  # type: ignore[attr-defined]
     sidebar = page.locator(SIDEBAR)  # type: ignore[attr-defined]
@@ -193,7 +54,7 @@ def _open_sidebar(page: object, lab: Lab, path: str = "lab") -> object:
     return sidebar
 
 
-def test_sidebar_shows_hardware_and_saves_the_chosen_defaults(page: object, lab: Lab) -> None:
+def test_sidebar_shows_hardware_and_saves_the_chosen_defaults(page: object, lab: JupyterServer) -> None:
     from playwright.sync_api import expect
 
     path = lab.config_dir / "notebook_launcher" / "defaults.json"
@@ -216,7 +77,7 @@ def test_sidebar_shows_hardware_and_saves_the_chosen_defaults(page: object, lab:
     expect(sidebar).to_contain_text(  # type: ignore[arg-type]
         "fp8: fp8 needs a Hopper-class NVIDIA GPU; this machine runs ranks on CPU"
     )
-    _screenshot(page, "sidebar-1-hardware")
+    screenshot(page, "sidebar-1-hardware")
 
     sidebar.get_by_label("Processes").select_option("2")  # type: ignore[attr-defined]
     precision.select_option("bf16")
@@ -227,7 +88,7 @@ def test_sidebar_shows_hardware_and_saves_the_chosen_defaults(page: object, lab:
         "2 x CPU ranks, bf16, fork"
     )  # type: ignore[attr-defined]
     expect(sidebar.get_by_role("alert")).to_have_count(0)  # type: ignore[attr-defined]
-    _screenshot(page, "sidebar-2-saved")
+    screenshot(page, "sidebar-2-saved")
 
     assert json.loads(path.read_text()) == {
         "num_processes": 2,
@@ -266,13 +127,10 @@ notebook_launcher(train{arguments})
 
 def _wait_for_idle_kernel(page: object) -> None:
     page.locator(".jp-Notebook").wait_for()  # type: ignore[attr-defined]
-    page.wait_for_function(  # type: ignore[attr-defined]
-        "() => window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel?.status === 'idle'",
-        timeout=90_000,
-    )
+    page.wait_for_function(KERNEL_IDLE, timeout=90_000)  # type: ignore[attr-defined]
 
 
-def _run_notebook_in_lab(page: object, lab: Lab, name: str, source: str) -> object:
+def _run_notebook_in_lab(page: object, lab: JupyterServer, name: str, source: str) -> object:
     """Open a one-cell notebook next to the sidebar and start running it (without waiting)."""
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
     notebook.metadata["kernelspec"] = {
@@ -288,7 +146,7 @@ def _run_notebook_in_lab(page: object, lab: Lab, name: str, source: str) -> obje
     return sidebar
 
 
-def _save_defaults_through_the_server(lab: Lab, chosen: dict[str, object]) -> None:
+def _save_defaults_through_the_server(lab: JupyterServer, chosen: dict[str, object]) -> None:
     request = urllib.request.Request(
         f"{lab.url}notebook-launcher/defaults",
         data=json.dumps(chosen).encode(),
@@ -299,7 +157,7 @@ def _save_defaults_through_the_server(lab: Lab, chosen: dict[str, object]) -> No
         assert response.status == 200
 
 
-def test_a_running_launch_is_listed_and_stopped_from_the_sidebar(page: object, lab: Lab) -> None:
+def test_a_running_launch_is_listed_and_stopped_from_the_sidebar(page: object, lab: JupyterServer) -> None:
     from playwright.sync_api import expect
 
     source = LAUNCH_CELL.format(
@@ -312,7 +170,7 @@ def test_a_running_launch_is_listed_and_stopped_from_the_sidebar(page: object, l
     expect(row).to_contain_text("2 x CPU ranks, bf16, fork")
     expect(row).to_contain_text("running since")
     expect(output.first).to_contain_text("WORLD_SIZE 2 precision bf16", timeout=30_000)
-    _screenshot(page, "sidebar-3-running-launch")
+    screenshot(page, "sidebar-3-running-launch")
 
     started = time.monotonic()
     row.get_by_role("button", name="Stop").click()
@@ -323,10 +181,10 @@ def test_a_running_launch_is_listed_and_stopped_from_the_sidebar(page: object, l
     assert time.monotonic() - started < 30  # the ranks' 120 s sleep was cut short
     expect(sidebar).to_contain_text("No launch is running.", timeout=15_000)  # type: ignore[arg-type]
     expect(sidebar.get_by_role("alert")).to_have_count(0)  # type: ignore[attr-defined]
-    _screenshot(page, "sidebar-4-stopped")
+    screenshot(page, "sidebar-4-stopped")
 
 
-def test_a_launch_without_arguments_uses_the_saved_defaults(page: object, lab: Lab) -> None:
+def test_a_launch_without_arguments_uses_the_saved_defaults(page: object, lab: JupyterServer) -> None:
     from playwright.sync_api import expect
 
     _save_defaults_through_the_server(
@@ -341,13 +199,13 @@ def test_a_launch_without_arguments_uses_the_saved_defaults(page: object, lab: L
     try:
         expect(output.first).to_contain_text("WORLD_SIZE 2 precision bf16", timeout=15_000)
         expect(row).to_contain_text("2 x CPU ranks, bf16, fork", timeout=5_000)
-        _screenshot(page, "sidebar-6-saved-defaults-used")
+        screenshot(page, "sidebar-6-saved-defaults-used")
     finally:
         row.get_by_role("button", name="Stop").click()
         expect(sidebar).to_contain_text("No launch is running.", timeout=30_000)  # type: ignore[arg-type]
 
 
-def test_server_errors_are_shown_in_the_sidebar(page: object, lab: Lab) -> None:
+def test_server_errors_are_shown_in_the_sidebar(page: object, lab: JupyterServer) -> None:
     from playwright.sync_api import expect
 
     sidebar = _open_sidebar(page, lab)
@@ -375,10 +233,10 @@ def test_server_errors_are_shown_in_the_sidebar(page: object, lab: Lab) -> None:
         "Could not stop the launch: No running launch has the id 'gone01'; it may have finished "
         "already. The list of launches shows the ones running now."
     )
-    _screenshot(page, "sidebar-5-error")
+    screenshot(page, "sidebar-5-error")
 
 
-def test_the_sidebar_follows_defaults_saved_by_configure_without_a_reload(page: object, lab: Lab) -> None:
+def test_the_sidebar_follows_defaults_saved_by_configure_without_a_reload(page: object, lab: JupyterServer) -> None:
     from playwright.sync_api import expect
 
     sidebar = _run_notebook_in_lab(
@@ -390,4 +248,4 @@ def test_the_sidebar_follows_defaults_saved_by_configure_without_a_reload(page: 
     expect(sidebar.get_by_label("Mixed precision")).to_have_value("fp16")  # type: ignore[attr-defined]
     expect(sidebar.get_by_label("Start method")).to_have_value("spawn")  # type: ignore[attr-defined]
     expect(sidebar.get_by_role("status")).to_have_text("Updated: the saved defaults changed.")  # type: ignore[attr-defined]
-    _screenshot(page, "sidebar-followed-configure")
+    screenshot(page, "sidebar-followed-configure")
