@@ -448,7 +448,7 @@ def _connect(plan: LaunchPlan) -> Any:
             # Ray binds loopback alone only for the node address 127.0.0.1 itself.
             node_ip = "127.0.0.1" if _is_loopback(plan.master_addr) else None
             with _start_wait():
-                ray_local.start(ray, max(cores, plan.num_processes), node_ip, options)
+                _start_local(ray, max(cores, plan.num_processes), node_ip, options)
             _started_here = True
     except Exception as error:
         # A start that failed half way leaves Ray's own processes (gcs_server, raylet)
@@ -469,9 +469,30 @@ def _connect(plan: LaunchPlan) -> Any:
         raise RayClusterError(
             f"could not start a local Ray cluster for the launch: {why}. Ray's logs in {logs} "
             "say why; on a busy machine its raylet gives up when its own agents start slowly "
-            "(raylet.out: 'Timed out waiting for file'), and running the launch again helps."
+            "(raylet.out: 'Timed out waiting for file'). Run the launch again once the machine "
+            "is less busy, or start a cluster yourself (ray start --head) and pass ray_address=."
         ) from error
     return ray
+
+
+# Ray's own words when its node did not register within its fixed 30 s (not configurable).
+_NODE_START_TIMEOUT = "timed out during startup"
+
+
+def _start_local(ray: Any, num_cpus: int, node_ip: str | None, options: dict[str, Any]) -> None:
+    """Start the local cluster, once more if its node was too slow to register: on a busy
+    machine Ray's agents import slowly the first time, and faster the second."""
+    try:
+        ray_local.start(ray, num_cpus, node_ip, options)
+    except Exception as error:
+        if _NODE_START_TIMEOUT not in str(error):
+            raise
+        print(
+            "notebook_launcher: the local Ray cluster's node did not register within Ray's "
+            "30 s (a busy machine); starting the cluster once more.",
+            file=sys.stderr,
+        )
+        ray_local.start(ray, num_cpus, node_ip, options)
 
 
 @contextlib.contextmanager
