@@ -16,14 +16,21 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml
+# The demo needs the package and a kernel only: no lab extension build (SKIP_JUPYTER_BUILDER
+# skips its npm step), no test, lint or docs tools.
+$(VENV)/.demo-installed: $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
+	SKIP_JUPYTER_BUILDER=1 $(BIN)/python -m pip install -q -e ".[demo]"
+	touch $@
+
+# Everything else; this install builds the lab extension into notebook_launcher/labextension.
+$(VENV)/.installed: $(VENV)/.demo-installed
 	$(BIN)/python -m pip install -q -e ".[test,dev,docs]"
 	touch $@
 
 setup: $(VENV)/.installed
 
-demo: setup
+demo: $(VENV)/.demo-installed
 	$(BIN)/python examples/run_notebook.py examples/01_quickstart.ipynb
 
 # The sidebar's browser tests drive Debian's chromium through Playwright (never a browser
@@ -35,10 +42,15 @@ browser:
 extension: setup
 	cd extension && ../$(BIN)/jlpm install && ../$(BIN)/jlpm build:prod
 
+# Most tests wait (for ranks, kernels, a server, a browser), so they run in TEST_WORKERS
+# processes at once; tests/conftest.py keeps the ones that share a kernel, a server or a
+# cluster in one worker. The 25 slowest tests and the total close the run.
 # pytest exits 5 when it collected no test: that is a failure here, not a pass.
 # NOTEBOOK_LAUNCHER_BROWSER_TESTS=1 makes the browser tests fail, not skip, without chromium.
+TEST_WORKERS ?= 4
 test: setup browser
-	NOTEBOOK_LAUNCHER_BROWSER_TESTS=1 $(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	NOTEBOOK_LAUNCHER_BROWSER_TESTS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup \
+		--durations=25 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 # Opt-in: the real torch_xla on the CPU (PJRT_DEVICE=CPU). torch_xla needs its own torch
