@@ -329,7 +329,9 @@ def test_a_shard_placement_is_neutral_and_drawn_whole_with_each_owner():
     assert repr(uneven.ownership).splitlines()[1:] == ["  rank 0: elements 0-2 (3 of 5 elements)", "  rank 1: elements 3-4 (2 of 5 elements)"]
     # One rank shown: no ranges can be said, still not an error.
     alone = verdict(_sharded((16, 8), "Shard(dim=0)", [torch.ones(8, 8), torch.zeros(8, 8)])[1:])
-    assert alone.state in ("equal", "sharded")
+    assert (alone.state, alone.words) == ("sharded", "sharded along dim 0 (Shard(dim=0))")
+    same_numbers = verdict(_sharded((4,), "Shard(dim=0)", [torch.ones(2), torch.ones(2)]))
+    assert same_numbers.words == "sharded: elements 0-1 | 2-3"  # equal numbers, different parts
     two_d = verdict(_sharded((16, 8), "Shard(dim=0), Replicate()", [torch.ones(8, 8), torch.zeros(8, 8)]))
     assert (two_d.state, two_d.words) == ("sharded", "sharded (Shard(dim=0), Replicate()) across the ranks")
     replicated = verdict(_sharded((4,), "Replicate()", [torch.ones(4), torch.zeros(4)]))

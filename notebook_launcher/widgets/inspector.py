@@ -61,15 +61,16 @@ def verdict(summaries: Sequence[ValueSummary]) -> Verdict:
     counts = Counter(s.key for s in present)
     if not present:
         return Verdict(False, frozenset(missing), "not defined on any rank shown", "missing")
-    if len(counts) == 1 and not missing:
-        if len(summaries) == 1:
-            return Verdict(True, frozenset(), "one rank shown")
-        return Verdict(True, frozenset(), f"equal on every rank ({len(summaries)})")
     lacking = f"missing on rank{'s' if len(missing) > 1 else ''} {_ranks(missing)}" if missing else ""
+    # Before equality: shards that happen to hold equal numbers are still different parts.
     sharded = _sharding(summaries)
     if sharded is not None:
         words, ownership = sharded
         return Verdict(False, frozenset(missing), "; ".join(filter(None, [words, lacking])), "sharded", ownership)
+    if len(counts) == 1 and not missing:
+        if len(summaries) == 1:
+            return Verdict(True, frozenset(), "one rank shown")
+        return Verdict(True, frozenset(), f"equal on every rank ({len(summaries)})")
     if len(counts) == 1:  # the ranks that have it agree; the others lack it
         have = [s.rank for s in present]
         words = (
