@@ -184,11 +184,12 @@ def test_show_draws_tensor_scalar_string_and_a_missing_rank_in_the_kernel(kernel
     assert "x: equal on every rank (2)" in text and "rank 0: float 3.5" in text
     assert "label: equal on every rank (2)" in text
     assert "odd: differs across ranks" in text and "(3,)" in text and "(2,)" in text
-    assert "only_here: equal where defined; missing on rank 1" in text
+    assert "only_here: defined on rank 0 only; missing on rank 1" in text
     assert "rank 1: not defined (only_here is not defined on rank 1)" in text
     assert "&lt;img src=x onerror=alert(1)&gt; $rank$" in data["text/html"]
     tags = re.findall(r"<img [^>]*>", data["text/html"])
-    assert tags and all(tag.startswith('<img class="nl-picture" alt="') for tag in tags)  # the pictures only
+    # the pictures and the colour scale's legend only
+    assert tags and all(tag.startswith(('<img class="nl-picture" alt="', '<img class="nl-scale" alt="')) for tag in tags)
 
 
 @pytest.mark.kernel

@@ -253,7 +253,7 @@ def _legend(scale: tuple[float, float]) -> str:
     data = base64.b64encode(svg.encode()).decode()
     return (
         f'<div class="nl-legend" style="font-size: 11px; margin: 0 0 4px 0; {_MONO}">'
-        f'<span>{html.escape(_num(-bound))}</span> <img alt="colour scale" width="120" height="10" '
+        f'<span>{html.escape(_num(-bound))}</span> <img class="nl-scale" alt="colour scale" width="120" height="10" '
         f'style="vertical-align: middle; border: 1px solid rgba(128,128,128,0.4);" src="data:image/svg+xml;base64,{data}"> '
         f'<span>{html.escape(_num(bound))}</span> <span style="opacity: 0.7;">(white is 0; one scale for every rank)</span></div>'
     )
