@@ -36,6 +36,7 @@ def kernel() -> Iterator[KernelManager]:
     # torch's optimizers import torch._dynamo on first use, seconds on a busy machine; once in
     # the kernel, the forked ranks of every notebook start with it.
     client.execute_interactive("import torch, torch._dynamo", timeout=300)
+    client.stop_channels()
     try:
         yield manager
     finally:
