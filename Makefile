@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-xla lint docs clean browser extension
+.PHONY: setup demo test test-xla lint docs course clean browser extension
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -81,6 +81,18 @@ lint: setup docs
 # examples of the pages run in `make test` (tests/test_docs.py).
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# The course as the docs site shows it: each notebook of examples/course executed (2 CPU
+# ranks, about a minute each) into docs/course, outputs and pictures kept. Rerun after
+# changing a notebook: tests/test_course.py fails while a stored copy is stale. The
+# deliberate errors of the failures notebook are kept as outputs (their cells are tagged
+# raises-exception); any other error stops it.
+course: setup
+	mkdir -p docs/course
+	cd examples/course && for notebook in *.ipynb; do \
+		PYTHONPATH=$(CURDIR) $(CURDIR)/$(BIN)/jupyter nbconvert --to notebook --execute \
+			--ExecutePreprocessor.timeout=300 --output-dir $(CURDIR)/docs/course $$notebook || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) $(XLA_VENV) build dist site *.egg-info

@@ -114,7 +114,7 @@ def test_mismatched_shapes_and_a_missing_rank_draw():
     assert "differs across ranks" in text and "missing on rank 2" in text
     assert "rank 2: not defined (w is not defined on rank 2)" in text
     page = render_html([("", values)])
-    assert page.count('src="data:image/svg+xml;base64,') == 2 and "not defined" in page
+    assert page.count('class="nl-picture"') == 2 and "not defined" in page
     assert verdict(values["w"]).odd == {2}  # every present rank differs: only the missing one stands out
 
 
@@ -130,7 +130,7 @@ def test_pictures_are_svg_images_that_survive_html_sanitisers():
     page = render_html([("", stage("m", [torch.randn(3, 4), torch.tensor([1.0, math.nan])]))])
     assert "<svg" not in page  # inline SVG is dropped by sanitisers; images are kept
     pictures = re.findall(r'src="data:image/svg\+xml;base64,([^"]+)"', page)
-    assert len(pictures) == 2
+    assert len(pictures) == 3  # two tensors and the legend of their colour scale
     for picture in pictures:
         root = ElementTree.fromstring(base64.b64decode(picture))
         assert root.tag == "{http://www.w3.org/2000/svg}svg" and len(root) > 0
@@ -184,11 +184,12 @@ def test_show_draws_tensor_scalar_string_and_a_missing_rank_in_the_kernel(kernel
     assert "x: equal on every rank (2)" in text and "rank 0: float 3.5" in text
     assert "label: equal on every rank (2)" in text
     assert "odd: differs across ranks" in text and "(3,)" in text and "(2,)" in text
-    assert "only_here: equal where defined; missing on rank 1" in text
+    assert "only_here: defined on rank 0 only; missing on rank 1" in text
     assert "rank 1: not defined (only_here is not defined on rank 1)" in text
     assert "&lt;img src=x onerror=alert(1)&gt; $rank$" in data["text/html"]
     tags = re.findall(r"<img [^>]*>", data["text/html"])
-    assert tags and all(tag.startswith('<img class="nl-picture" alt="') for tag in tags)  # the pictures only
+    # the pictures and the colour scale's legend only
+    assert tags and all(tag.startswith(('<img class="nl-picture" alt="', '<img class="nl-scale" alt="')) for tag in tags)
 
 
 @pytest.mark.kernel
@@ -269,3 +270,106 @@ def test_unusual_tensors_still_get_a_card():
     assert summarize(torch.tensor([1, 2], dtype=torch.uint16)).elements == ("1", "2")
     assert summarize(torch.zeros(5, 0)).grid == ()
     assert len(summarize(torch.ones(3, dtype=torch.float8_e4m3fn)).elements) == 3
+
+
+# Pictures that cannot be read backwards ---------------------------------------------------
+
+
+def _heatmaps(page: str) -> list[list[str]]:
+    """Each heatmap's cell colours, in order (the legend is left out)."""
+    found = re.findall(r'alt="heatmap of [^"]*"[^>]*src="data:image/svg\+xml;base64,([^"]+)"', page)
+    return [re.findall(r'<rect [^>]*fill="(#[0-9a-f]{6})"', base64.b64decode(svg).decode()) for svg in found]
+
+
+def _fills(page: str) -> list[str]:
+    return [fill for heatmap in _heatmaps(page) for fill in heatmap]
+
+
+def _darkness(colour: str) -> float:
+    r, g, b = (int(colour[i : i + 2], 16) for i in (1, 3, 5))
+    return 255 - (0.299 * r + 0.587 * g + 0.114 * b)
+
+
+def test_colours_are_centred_on_zero_with_one_scale_across_the_ranks_and_a_legend():
+    # All negative: the largest magnitude must be the darkest, on every rank alike.
+    values = stage("g", [torch.tensor([[-4.1, -3.6, -2.4]]), torch.tensor([[-3.9, -1.7, -3.5]])])
+    page = render_html([("", values)])
+    rank0 = _fills(render_html([("", {"g": values["g"][:1]})]))
+    assert _darkness(rank0[0]) > _darkness(rank0[1]) > _darkness(rank0[2])  # -4.1, -3.6, -2.4
+    both = [_darkness(c) for c in _fills(page)]
+    assert both.index(max(both)) == 0  # -4.1 is the darkest of both ranks: one scale
+    rank1 = _heatmaps(page)[1]
+    assert _darkness(rank1[1]) < _darkness(rank1[0])  # -1.7 lighter than -3.9
+    assert page.count('class="nl-legend"') == 1 and "-4.1" in page and "white is 0" in page
+    # Blue for negative, red for positive, white at zero.
+    mixed = _fills(render_html([("", stage("m", [torch.tensor([[-1.0, 0.0, 1.0]])]))]))
+    (r0, _, b0), white, (r2, _, b2) = [tuple(int(c[i : i + 2], 16) for i in (1, 3, 5)) for c in mixed]
+    assert b0 > r0 and white == (247, 247, 247) and r2 > b2
+
+
+def _sharded(shape, placement, locals_):
+    import dataclasses
+
+    return [
+        dataclasses.replace(summarize(t, "w", rank), type_name="DTensor", note=f"local shard of {shape} ({placement})")
+        for rank, t in enumerate(locals_)
+    ]
+
+
+def test_a_shard_placement_is_neutral_and_drawn_whole_with_each_owner():
+    summaries = _sharded((16, 8), "Shard(dim=0)", [torch.ones(8, 8), torch.zeros(8, 8)])
+    v = verdict(summaries)
+    assert (v.state, v.words, v.odd, v.equal) == ("sharded", "sharded: rows 0-7 | 8-15", frozenset(), False)
+    page = render_html([("", {"w": summaries})])
+    assert 'data-state="sharded"' in page and "≠" not in page and 'data-odd="true"' not in page
+    assert page.count('class="nl-picture nl-ownership"') == 3  # the whole, then each rank's block
+    columns = verdict(_sharded((4, 8), "Shard(dim=1)", [torch.ones(4, 4), torch.zeros(4, 4)]))
+    assert columns.words == "sharded: columns 0-3 | 4-7"
+    uneven = verdict(_sharded((5,), "Shard(dim=0)", [torch.ones(3), torch.zeros(2)]))
+    assert uneven.words == "sharded: elements 0-2 | 3-4"
+    assert repr(uneven.ownership).splitlines()[1:] == ["  rank 0: elements 0-2 (3 of 5 elements)", "  rank 1: elements 3-4 (2 of 5 elements)"]
+    # One rank shown: no ranges can be said, still not an error.
+    alone = verdict(_sharded((16, 8), "Shard(dim=0)", [torch.ones(8, 8), torch.zeros(8, 8)])[1:])
+    assert (alone.state, alone.words) == ("sharded", "sharded along dim 0 (Shard(dim=0))")
+    same_numbers = verdict(_sharded((4,), "Shard(dim=0)", [torch.ones(2), torch.ones(2)]))
+    assert same_numbers.words == "sharded: elements 0-1 | 2-3"  # equal numbers, different parts
+    two_d = verdict(_sharded((16, 8), "Shard(dim=0), Replicate()", [torch.ones(8, 8), torch.zeros(8, 8)]))
+    assert (two_d.state, two_d.words) == ("sharded", "sharded (Shard(dim=0), Replicate()) across the ranks")
+    replicated = verdict(_sharded((4,), "Replicate()", [torch.ones(4), torch.zeros(4)]))
+    assert replicated.state == "differs"  # replicas that differ are an error
+
+
+def test_badges_never_contradict_themselves():
+    one = [summarize_name({}, "s", 0), summarize(42, "s", 1)]
+    v = verdict(one)
+    assert (v.state, v.words, v.odd) == ("missing", "defined on rank 1 only; missing on rank 0", frozenset({0}))
+    page = render_html([("", {"s": one})])
+    assert "≠" not in page and "∅ defined on rank 1 only" in page
+    three = [summarize(1, "s", 0), summarize(1, "s", 1), summarize_name({}, "s", 2)]
+    assert verdict(three).words == "missing on rank 2; equal on the other 2"
+    nowhere = [summarize_name({}, "s", 0), summarize_name({}, "s", 1)]
+    assert verdict(nowhere).state == "missing" and "≠" not in render_html([("", {"s": nowhere})])
+
+
+def test_ownership_and_the_course_charts_carry_their_numbers_in_text():
+    from notebook_launcher.widgets.charts import Measured, StackedBars, Timeline
+    from notebook_launcher.widgets.ownership import Ownership
+
+    owned = Ownership.from_indices("data", 11, [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 0]])
+    assert repr(owned).splitlines() == [
+        "data (11,): owned by rank; 1 held by several ranks",
+        "  rank 0: elements 0, 2, 4, 6, 8, 10 (6 of 11 elements)",
+        "  rank 1: elements 0-1, 3, 5, 7, 9 (6 of 11 elements)",
+    ]
+    assert "several ranks (*)" in owned._repr_html_() and owned._repr_html_().count("nl-ownership") == 3
+    with pytest.raises(ValueError, match=r"x: 3 owners given for shape \(2, 2\) \(4 elements\)"):
+        Ownership("x", (2, 2), [frozenset({0})] * 3, [0])
+    bars = StackedBars("memory", {"DDP": {"parameters": 4, "gradients": 4}, "ZeRO-3": {"parameters": 2, "gradients": 2}})
+    assert bars.text() == "memory:\n  DDP: 8 bytes (parameters 4, gradients 4)\n  ZeRO-3: 4 bytes (parameters 2, gradients 2)"
+    timeline = Timeline("pipe", [("rank 0", "F1", 0.0, 1.0), ("rank 1", "F1", 1.0, 2.0), ("rank 1", "B1", 2.0, 3.0), ("rank 0", "B1", 3.0, 4.0)])
+    assert timeline.idle_fraction("rank 0") == 0.5 and "rank 1: F1 B1; idle 50%" in timeline.text()
+    measured = Measured("t", [(1000, 0.5), (2000, 1.0)], 0.0005, "bytes", "seconds", "model")
+    assert "bytes 2,000: seconds 1, model 1" in measured.text()
+    for shown in (owned, bars, timeline, measured):
+        page = shown._repr_mimebundle_()["text/html"]
+        assert "<svg" not in page and len(re.findall(r'src="data:image/svg\+xml;base64,', page)) >= 1

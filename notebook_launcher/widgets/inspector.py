@@ -4,8 +4,11 @@ Pure functions of the summaries the ranks sent (see ``session/inspect.py``). The
 an ordinary display output (HTML with the pictures as SVG images, and a plain-text twin), so it stays in the saved notebook
 and shows in nbconvert and on GitHub without a kernel. Every piece of user text is escaped,
 and the whole record is marked for MathJax to leave alone, so ``$`` stays a dollar sign.
-Colours are mid-tones on a shared scale per name, so equal values look equal on every rank
-and before and after a cell.
+Colours diverge from white at zero (blue negative, red positive) on one scale per name, over
+every rank and stage, with a legend: equal values look equal on every rank and before and
+after a cell, and a darker colour always means a larger magnitude. A ``DTensor`` sharded
+across the ranks is said to be sharded (a neutral badge naming each rank's slices) and drawn
+whole, each element in its owner's colour: different shards are the point, not an error.
 """
 
 from __future__ import annotations
@@ -14,14 +17,17 @@ import base64
 import dataclasses
 import html
 import math
+import re
 from collections import Counter
 from collections.abc import Sequence
 
 from notebook_launcher.session.inspect import ValueSummary
+from notebook_launcher.widgets.ownership import Ownership, from_shards
 
 EQUAL_COLOUR = "#2ca02c"
 DIFFER_COLOUR = "#d62728"
 MISSING_COLOUR = "#8c6d31"
+SHARDED_COLOUR = "#5b6b7f"  # neutral: shards are meant to differ
 NAN_COLOUR = "#e377c2"
 _CARD = (
     "display: inline-block; vertical-align: top; margin: 0 8px 8px 0; padding: 6px 8px; "
@@ -39,6 +45,14 @@ class Verdict:
     equal: bool  # present on every rank shown, and the same everywhere
     odd: frozenset[int]  # ranks whose value differs from the most common one (or is missing)
     words: str
+    # "equal", "differs", "sharded" (a DTensor's shards: different by design) or "missing"
+    # (some rank lacks the name and the ranks that have it agree)
+    state: str = "equal"
+    ownership: Ownership | None = None
+
+
+_MARKS = {"equal": "=", "differs": "≠", "sharded": "⊞", "missing": "∅"}
+_STATE_COLOURS = {"equal": EQUAL_COLOUR, "differs": DIFFER_COLOUR, "sharded": SHARDED_COLOUR, "missing": MISSING_COLOUR}
 
 
 def verdict(summaries: Sequence[ValueSummary]) -> Verdict:
@@ -46,23 +60,67 @@ def verdict(summaries: Sequence[ValueSummary]) -> Verdict:
     missing = [s.rank for s in summaries if not s.present]
     counts = Counter(s.key for s in present)
     if not present:
-        return Verdict(False, frozenset(missing), "not defined on any rank shown")
+        return Verdict(False, frozenset(missing), "not defined on any rank shown", "missing")
+    lacking = f"missing on rank{'s' if len(missing) > 1 else ''} {_ranks(missing)}" if missing else ""
+    # Before equality: shards that happen to hold equal numbers are still different parts.
+    sharded = _sharding(summaries)
+    if sharded is not None:
+        words, ownership = sharded
+        return Verdict(False, frozenset(missing), "; ".join(filter(None, [words, lacking])), "sharded", ownership)
     if len(counts) == 1 and not missing:
         if len(summaries) == 1:
             return Verdict(True, frozenset(), "one rank shown")
         return Verdict(True, frozenset(), f"equal on every rank ({len(summaries)})")
+    if len(counts) == 1:  # the ranks that have it agree; the others lack it
+        have = [s.rank for s in present]
+        words = (
+            f"defined on rank {have[0]} only; {lacking}" if len(have) == 1
+            else f"{lacking}; equal on the other {len(have)}"
+        )
+        return Verdict(False, frozenset(missing), words, "missing")
     common, most = counts.most_common(1)[0]
     # Outlined: ranks apart from a majority. When every rank holds its own value, none is.
-    apart = most > 1 or (len(present) == 1 and len(summaries) > 1)
+    apart = most > 1
     odd = {s.rank for s in present if apart and s.key != common} | set(missing)
-    parts = []
-    if len(counts) > 1:
-        parts.append(f"differs across ranks ({len(counts)} different values)")
-    else:
-        parts.append("equal where defined")
-    if missing:
-        parts.append(f"missing on rank{'s' if len(missing) > 1 else ''} {_ranks(missing)}")
-    return Verdict(False, frozenset(odd), "; ".join(parts))
+    words = f"differs across ranks ({len(counts)} different values)"
+    return Verdict(False, frozenset(odd), "; ".join(filter(None, [words, lacking])), "differs")
+
+
+_SHARD_NOTE = re.compile(r"local shard of \(([\d, ]*)\) \((.*)\)\Z")
+_SHARD = re.compile(r"Shard\(dim=(-?\d+)\)")
+
+
+def _sharding(summaries: Sequence[ValueSummary]) -> tuple[str, Ownership | None] | None:
+    """The neutral words (and the ownership picture) for a DTensor sharded across the ranks."""
+    present = [s for s in summaries if s.present]
+    notes = {_SHARD_NOTE.match(s.note) for s in present if s.kind == "tensor"}
+    if len(present) != len([s for s in present if s.kind == "tensor"]) or None in notes:
+        return None
+    found = {(m.group(1), m.group(2)) for m in notes if m is not None}
+    if len(found) != 1:
+        return None
+    shape_text, placements = found.pop()
+    if "Shard" not in placements:
+        return None  # replicated or partial: equal or not by value, as any tensor
+    shape = tuple(int(d) for d in shape_text.replace(" ", "").split(",") if d)
+    shard = _SHARD.fullmatch(placements)
+    if shard is None or not shape:
+        return f"sharded ({placements}) across the ranks", None  # a mesh of more dimensions
+    dim = int(shard.group(1)) % len(shape)
+    sizes = {s.rank: s.shape[dim] if len(s.shape) == len(shape) else 0 for s in present}
+    # Slices follow rank order (torch's chunk); the ranges hold when every rank is shown.
+    if sorted(sizes) != list(range(len(summaries))) or sum(sizes.values()) != shape[dim]:
+        return f"sharded along dim {dim} ({placements})", None
+    what = "rows" if dim == 0 and len(shape) == 2 else "columns" if dim == 1 and len(shape) == 2 else (
+        "elements" if len(shape) == 1 else f"dim {dim}"
+    )
+    spans, start = [], 0
+    for rank in sorted(sizes):
+        size = sizes[rank]
+        spans.append("none" if size == 0 else str(start) if size == 1 else f"{start}-{start + size - 1}")
+        start += size
+    name = present[0].name
+    return f"sharded: {what} {' | '.join(spans)}", from_shards(name, shape, dim, sizes)
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -161,19 +219,47 @@ def render_html(stages: Sequence[tuple[str, dict[str, list[ValueSummary]]]]) -> 
 
 def _name_html(label: str, name: str, summaries: list[ValueSummary], scale: tuple[float, float] | None) -> str:
     v = verdict(summaries)
-    colour = EQUAL_COLOUR if v.equal else DIFFER_COLOUR
-    mark = "=" if v.equal else "≠"
+    colour = _STATE_COLOURS[v.state]
+    mark = _MARKS[v.state]
     stage = f'<span style="opacity: 0.7;">{html.escape(label)}:</span> ' if label else ""
     head = (
         f'<div style="margin: 4px 0;">{stage}<b style="{_MONO}">{html.escape(name)}</b> '
-        f'<span class="nl-verdict" data-equal="{str(v.equal).lower()}" style="background: {colour}; '
+        f'<span class="nl-verdict" data-equal="{str(v.equal).lower()}" data-state="{v.state}" style="background: {colour}; '
         f'color: white; border-radius: 9px; padding: 0 8px; font-size: 11.5px;">{mark} {html.escape(v.words)}</span></div>'
     )
-    cards = "".join(_card_html(s, s.rank in v.odd, scale) for s in summaries)
-    return f'<div class="nl-name" data-name="{html.escape(name)}">{head}<div>{cards}</div></div>'
+    whole = ""
+    if v.ownership is not None:
+        whole = (
+            '<div style="font-size: 11.5px; opacity: 0.8;">the whole tensor, each element in the colour of '
+            f"the rank that holds it:</div>{v.ownership.picture()}{v.ownership.legend()}"
+        )
+    cards = "".join(
+        _card_html(s, s.rank in v.odd, scale, v.ownership.picture(s.rank) if v.ownership and s.present else "")
+        for s in summaries
+    )
+    legend = _legend(scale) if scale is not None and any(s.grid for s in summaries) else ""
+    return f'<div class="nl-name" data-name="{html.escape(name)}">{head}{whole}{legend}<div>{cards}</div></div>'
 
 
-def _card_html(s: ValueSummary, odd: bool, scale: tuple[float, float] | None) -> str:
+def _legend(scale: tuple[float, float]) -> str:
+    """The colour scale: white at zero, blue to -bound, red to +bound, the same for every rank."""
+    bound = max(abs(scale[0]), abs(scale[1]))
+    steps = 24
+    rects = "".join(
+        f'<rect x="{i * 5}" y="0" width="5" height="10" fill="{_colour(-bound + 2 * bound * (i + 0.5) / steps, scale)}"/>'
+        for i in range(steps)
+    )
+    svg = f'<svg xmlns="http://www.w3.org/2000/svg" width="120" height="10" viewBox="0 0 120 10">{rects}</svg>'
+    data = base64.b64encode(svg.encode()).decode()
+    return (
+        f'<div class="nl-legend" style="font-size: 11px; margin: 0 0 4px 0; {_MONO}">'
+        f'<span>{html.escape(_num(-bound))}</span> <img class="nl-scale" alt="colour scale" width="120" height="10" '
+        f'style="vertical-align: middle; border: 1px solid rgba(128,128,128,0.4);" src="data:image/svg+xml;base64,{data}"> '
+        f'<span>{html.escape(_num(bound))}</span> <span style="opacity: 0.7;">(white is 0; one scale for every rank)</span></div>'
+    )
+
+
+def _card_html(s: ValueSummary, odd: bool, scale: tuple[float, float] | None, owned: str = "") -> str:
     if not s.present:
         border = MISSING_COLOUR
     else:
@@ -185,7 +271,7 @@ def _card_html(s: ValueSummary, odd: bool, scale: tuple[float, float] | None) ->
     if not s.present:
         body = f'<div style="color: {MISSING_COLOUR}; font-weight: 600;">not defined</div><div>{html.escape(s.text)}</div>'
     elif s.kind == "tensor":
-        body = _tensor_html(s, scale)
+        body = (f'<div style="opacity: 0.75;">its part of the whole:</div>{owned}' if owned else "") + _tensor_html(s, scale)
     else:
         body = (
             f'<div style="opacity: 0.7;">{html.escape(s.type_name)}</div>'
@@ -246,18 +332,17 @@ def _scales(stages: Sequence[tuple[str, dict[str, list[ValueSummary]]]]) -> dict
 
 
 def _colour(x: float, scale: tuple[float, float]) -> str:
+    """Diverging around zero, whatever the values' signs: white is 0, blue negative, red
+    positive, darker for a larger magnitude, so -4.1 is darker than -1.7."""
     if math.isnan(x):
         return NAN_COLOUR
-    low, high = scale
-    if low < 0 < high:  # diverging around zero: blue for negative, red for positive
-        bound = max(-low, high)
-        t = max(-1.0, min(1.0, x / bound))
-        if t < 0:
-            return _mix((247, 247, 247), (33, 102, 172), -t)
-        return _mix((247, 247, 247), (178, 24, 43), t)
-    span = high - low
-    t = 0.5 if span == 0 else (min(max(x, low), high) - low) / span
-    return _mix((222, 235, 247), (8, 48, 107), t)
+    bound = max(abs(scale[0]), abs(scale[1]))
+    if bound == 0 or not math.isfinite(bound):
+        return "#f7f7f7"
+    t = max(-1.0, min(1.0, x / bound))
+    if t < 0:
+        return _mix((247, 247, 247), (33, 102, 172), -t)
+    return _mix((247, 247, 247), (178, 24, 43), t)
 
 
 def _ink(fill: str) -> str:
