@@ -6,11 +6,13 @@ import os
 import signal
 import time
 
+import cloudpickle
 import pytest
 
 from notebook_launcher import RankFailedError, Session, SessionError
 from notebook_launcher.errors import LaunchTypeError
 from notebook_launcher.launcher.events import OutputLine
+from notebook_launcher.session.protocol import Execute, Push
 
 from .conftest import rank_processes
 
@@ -370,3 +372,33 @@ def test_push_of_a_value_that_cannot_be_pickled_names_it(session):
 
     with pytest.raises(LaunchConfigError, match=r"^push\(\) was given the notebook's 'lk' \(a _thread.lock\), which cannot be sent to the ranks: TypeError: .*Create it on the ranks instead"):
         session.push({"lk": threading.Lock()})
+
+
+def test_a_command_queued_behind_the_one_a_rank_starts_is_run_after_it_not_lost(session):
+    # Starting a command, a rank looks at what waits behind it for an interrupt of that
+    # command; anything else found there must still run, or its caller waits forever.
+    ranks = session._ranks
+    first, second = session._seq + 1, session._seq + 2
+    session._seq = second
+    pid = session.pids[0]
+    os.kill(pid, signal.SIGSTOP)  # both commands wait in the pipe when it reads the first
+    try:
+        ranks.send(0, Execute(first, "queued = 'ran'", "<queued>", cloudpickle.dumps({})))
+        ranks.send(0, Push(second, cloudpickle.dumps({"pushed": "after it"})))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    ranks.pump(lambda: (0, second) in ranks.replies, timeout=60)  # a safety net
+    replies = [ranks.replies.pop((0, seq), None) for seq in (first, second)]
+    assert all(reply is not None and reply.failure is None for reply in replies), replies
+    assert session.pull("queued") == "ran" and session.pull("pushed") == "after it"
+
+
+def test_a_ranks_exception_that_cannot_travel_still_brings_its_type(session):
+    # The instance holds a lock (it cannot be pickled); its type alone still can, so
+    # ``except ValueError`` in the notebook catches the rank's error.
+    code = "import threading\nerror = ValueError('holds a lock')\nerror.lock = threading.Lock()\nraise error"
+    with pytest.raises(ValueError, match=r"^Rank 0 \(pid \d+\) raised ValueError: holds a lock\.") as caught:
+        session.execute(code, ranks=[0])
+    assert type(caught.value).__name__ == "RankFailedError[ValueError]"
+    assert caught.value.__cause__ is None
+    assert "line 4, in <module>" in str(caught.value) and "worker.py" not in str(caught.value)

@@ -18,6 +18,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
+from types import TracebackType
 from typing import Any
 
 import cloudpickle
@@ -357,6 +358,19 @@ def _apply_kernel_state(spec: RankSpec) -> None:
 
 
 def _report_failure(error: BaseException) -> None:
+    with contextlib.suppress(Exception):
+        send(failure_record(error))
+
+
+# The package's own folder: its frames above the user's code are left out of a rank's traceback.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
+
+
+def failure_record(error: BaseException) -> Failure:
+    """How ``error`` ended a rank's function (a launch) or command (a session), as the kernel
+    receives it: the exception itself and its type pickled each on their own (an instance
+    with an attribute that cannot travel still brings its type), and the traceback text from
+    the user's code down."""
     error_type = type(error)
     qualified = error_type.__qualname__
     if error_type.__module__ not in ("builtins", "__main__"):
@@ -369,12 +383,18 @@ def _report_failure(error: BaseException) -> None:
         pickled_type: bytes | None = _dumps(error_type)
     except Exception:
         pickled_type = None
-    frames = error.__traceback__
-    if frames is not None and frames.tb_frame.f_code is run_rank.__code__:
-        frames = frames.tb_next  # the user's code starts below our own frame
-    text = "".join(traceback.format_exception(error_type, error, frames))
-    with contextlib.suppress(Exception):
-        send(Failure(qualified, str(error), text, time.time(), pickled, pickled_type))
+    text = "".join(traceback.format_exception(error_type, error, user_frames(error.__traceback__)))
+    return Failure(qualified, str(error), text, time.time(), pickled, pickled_type)
+
+
+def user_frames(frames: TracebackType | None) -> TracebackType | None:
+    """The traceback from the user's code down: the package's own frames above it (the rank
+    runner, a session's command loop) are left out. Where the error came from the package
+    alone, its frames are kept: they are then the whole story."""
+    first = frames
+    while first is not None and first.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        first = first.tb_next
+    return frames if first is None else first
 
 
 def _release_process_group() -> None:

@@ -259,7 +259,7 @@ class Session:
         Returns an ``Inspection``, which Jupyter shows as HTML (a static record) and whose
         ``stages`` hold the summaries.
         """
-        from notebook_launcher.session.inspect import collect
+        from notebook_launcher.session.value_summaries import collect
         from notebook_launcher.widgets.inspector import Inspection
 
         return Inspection([("", collect(self, names, ranks))])
@@ -497,12 +497,15 @@ class Session:
         assert failure is not None
         lines += ["", f"Traceback from rank {root.rank}:", failure.traceback.rstrip()]
         remote: BaseException | None = None
+        remote_type: type[BaseException] | None = None
         if failure.exception is not None:
             with contextlib.suppress(Exception):  # its class may not exist in the kernel
                 remote = cloudpickle.loads(failure.exception)
-        error = rank_failed_error_class(type(remote) if remote is not None else None)(
-            "\n".join(lines), failures
-        )
+                remote_type = type(remote)
+        if remote_type is None and failure.exception_class is not None:
+            with contextlib.suppress(Exception):
+                remote_type = cloudpickle.loads(failure.exception_class)
+        error = rank_failed_error_class(remote_type)("\n".join(lines), failures)
         if remote is not None:
             error.__cause__ = remote
         return error

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import collections
 import contextlib
 import linecache
 import os
@@ -18,18 +19,15 @@ import socket
 import stat
 import sys
 import threading
-import time
-import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from types import CodeType, TracebackType
+from types import CodeType
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
 from notebook_launcher import rank_env
 from notebook_launcher.launcher import rank as rank_runner
-from notebook_launcher.launcher.channel import Failure
 from notebook_launcher.session.protocol import (
     Call,
     Command,
@@ -105,6 +103,7 @@ class Worker:
         self._init_group(0)
         self.interrupts = _InterruptWatch(self._break_group)
         self._commands: Connection | None = None  # the kernel's commands, once serving
+        self._waiting: collections.deque[Command] = collections.deque()  # read early, not run yet
 
     # The process group -------------------------------------------------------------
 
@@ -156,7 +155,7 @@ class Worker:
         self._commands = commands
         while True:
             try:
-                command: Command = commands.recv()
+                command: Command = self._waiting.popleft() if self._waiting else commands.recv()
             except EOFError:
                 return  # the kernel is gone
             except KeyboardInterrupt:
@@ -179,7 +178,7 @@ class Worker:
             # or instead of the KeyboardInterrupt: either way the kernel's interrupt ended it.
             interrupted = isinstance(error, KeyboardInterrupt) or self.interrupts.signalled
             return Reply(
-                command.seq, failure=_failure(error), interrupted=interrupted,
+                command.seq, failure=rank_runner.failure_record(error), interrupted=interrupted,
                 group_broken=self.group_broken, owned=self._owned(),
             )
         finally:
@@ -189,15 +188,18 @@ class Worker:
     def _interrupt_queued(self, seq: int) -> bool:
         """Whether the kernel interrupted command ``seq`` before this rank started it.
 
-        Only an Interrupt can be queued behind a command: the kernel sends the next command
-        after the reply. One for an earlier command is stale and dropped.
+        An Interrupt for an earlier command is stale and dropped; anything else queued is
+        kept, in order, for the loop to run next.
         """
         commands = self._commands
+        interrupted = False
         while commands is not None and commands.poll():
             queued = commands.recv()
-            if isinstance(queued, Interrupt) and queued.seq == seq:
-                return True
-        return False
+            if isinstance(queued, Interrupt):
+                interrupted = interrupted or queued.seq == seq
+            else:
+                self._waiting.append(queued)
+        return interrupted
 
     def _run(self, command: Command) -> bytes | None:
         if isinstance(command, Execute):
@@ -354,26 +356,6 @@ def _safe_repr(value: Any) -> str:
         return repr(value)
     except Exception as error:
         return f"<{type(value).__name__} (repr failed: {error})>"
-
-
-def _failure(error: BaseException) -> Failure:
-    error_type = type(error)
-    qualified = error_type.__qualname__
-    if error_type.__module__ not in ("builtins", "__main__"):
-        qualified = f"{error_type.__module__}.{qualified}"
-    try:
-        pickled: bytes | None = cloudpickle.dumps(error)
-    except Exception:
-        pickled = None
-    text = "".join(traceback.format_exception(error_type, error, _user_frames(error.__traceback__)))
-    return Failure(qualified, str(error), text, time.time(), pickled)
-
-
-def _user_frames(frames: TracebackType | None) -> TracebackType | None:
-    """Drop this module's own frames from the top: the user's code starts below them."""
-    while frames is not None and frames.tb_frame.f_code.co_filename == __file__:
-        frames = frames.tb_next
-    return frames
 
 
 def _flush() -> None:
