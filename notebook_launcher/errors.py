@@ -137,6 +137,10 @@ class SessionError(LaunchError):
     """A session cannot run this: it was closed, or its ranks are gone (restart it)."""
 
 
+class SessionTimeoutError(SessionError, TimeoutError):
+    """A session cell ran past its ``timeout`` and was interrupted; the session goes on."""
+
+
 _typed_classes: dict[tuple[type[BaseException] | None, type[Exception] | None], type[RankFailedError]] = {}
 
 

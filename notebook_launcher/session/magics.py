@@ -18,9 +18,10 @@ from typing import Any, Callable
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from notebook_launcher.errors import LaunchConfigError
+from notebook_launcher.errors import LaunchConfigError, SessionTimeoutError
 from notebook_launcher.session.capture import notebook_values
 from notebook_launcher.session.session import Session
+from notebook_launcher.session.snapshot import status_line
 from notebook_launcher.session.worker import BASE_NAMES
 
 
@@ -58,12 +59,13 @@ def _parsers() -> tuple[_Parser, _Parser]:
     show = commands.add_parser("show", add_help=False)
     show.add_argument("names", nargs="+")
     show.add_argument("--ranks", type=int, nargs="+", default=None)
-    for name in ("status", "restart", "stop"):
+    for name in ("status", "where", "restart", "stop"):
         commands.add_parser(name, add_help=False)
     cell = _Parser(prog="%%distributed", add_help=False, allow_abbrev=False)
     cell.add_argument("--ranks", type=int, nargs="+", default=None)
     cell.add_argument("--return", dest="returns", nargs="+", default=[])
     cell.add_argument("--show", dest="show", nargs="+", default=[])
+    cell.add_argument("--timeout", type=float, default=None)
     return line, cell
 
 
@@ -81,7 +83,7 @@ def parse_line(line: str) -> argparse.Namespace:
     parsed = _parsers()[0].parse_args(_words("%distributed", line))
     if parsed.command is None:
         raise DistributedUsageError(
-            "%distributed needs a command: start, push, pull, show, status, restart or stop "
+            "%distributed needs a command: start, push, pull, show, status, where, restart or stop "
             "(e.g. %distributed start -n 2); %%distributed runs a cell on the ranks."
         )
     return parsed
@@ -179,8 +181,12 @@ class DistributedMagics(Magics):
             )
             return None
         if args.command == "status":
-            print(f"notebook_launcher: {self.session.describe()}" if self.session else
-                  "notebook_launcher: no session; %distributed start -n 2 starts one.")
+            if self.session is None:
+                print("notebook_launcher: no session; %distributed start -n 2 starts one.")
+                return None
+            print(f"notebook_launcher: {self.session.describe()}")
+            if self.session.alive:
+                print("\n".join(status_line(row) for row in self.session.status()))
             return None
         if args.command == "stop":
             if self.session is not None:
@@ -201,6 +207,8 @@ class DistributedMagics(Magics):
             session.push({n: self._shell.user_ns[n] for n in args.names})
         elif args.command == "show":
             _display(session.show(*args.names, ranks=args.ranks))
+        elif args.command == "where":
+            print("\n".join(session.where()))
         elif args.command == "pull":
             self._shell.user_ns[args.name] = session.pull(args.name, rank=args.rank)
         return None
@@ -254,11 +262,13 @@ class DistributedMagics(Magics):
         ranks = args.ranks if args.ranks is not None else list(range(session.plan.num_processes))
         shown = _ShownAround(session, args.show) if args.show else None
         try:
-            values = session.execute(code, ranks, names=names, returns=args.returns, filename=filename)
-        except KeyboardInterrupt as error:
+            values = session.execute(
+                code, ranks, names=names, returns=args.returns, filename=filename, timeout=args.timeout
+            )
+        except (KeyboardInterrupt, SessionTimeoutError) as error:
             # The message is the whole story; IPython would add a traceback through this package.
-            text = f"KeyboardInterrupt: {error}" if str(error) else "KeyboardInterrupt"
-            error._render_traceback_ = lambda: [text]  # type: ignore[attr-defined]
+            text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+            setattr(error, "_render_traceback_", lambda: [text])  # noqa: B010 (any exception type)
             raise
         except Exception:
             if shown is not None:

@@ -13,6 +13,7 @@ import contextlib
 import os
 import secrets
 import signal
+import threading
 import time
 import uuid
 from typing import Any, Callable
@@ -25,7 +26,12 @@ from notebook_launcher.launcher.rank_group import Rank, RankGroup, RankState
 from notebook_launcher.launcher.run import Emitter, rank_specs
 from notebook_launcher.launcher.store import RendezvousStore, bind_listener
 from notebook_launcher.session.protocol import Command, Interrupt, Join, Ready, Reply
+from notebook_launcher.session.snapshot import Snapshot
 from notebook_launcher.session.worker import session_rank
+
+# How long a look at the ranks waits for their answers: a side thread answers at once, so
+# only a rank that is not scheduled at all (stopped, swapped out) takes longer.
+_LOOK_S = 2.0
 
 
 class SessionRanks:
@@ -36,6 +42,10 @@ class SessionRanks:
         self.launch_id = uuid.uuid4().hex[:12]
         self.replies: dict[tuple[int, int], Reply] = {}  # (rank, seq) -> reply
         self.ready: dict[int, Ready] = {}
+        self.snapshots: dict[int, Snapshot] = {}  # each rank's latest answer to ask()
+        self.answers: dict[int, int] = {}  # how many answers each rank gave so far
+        self.answered = threading.Condition()  # notified as each answer comes
+        self.pumping = threading.RLock()  # held by the thread that reads the ranks' messages
         self._cleanup = contextlib.ExitStack()
         try:
             backend = backends.lookup(plan.backend)
@@ -87,6 +97,40 @@ class SessionRanks:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(rank.pid, signal.SIGINT)
 
+    def ask(self, ranks: list[int]) -> None:
+        """Ask these ranks what they are doing (SIGUSR1); each answers with a Snapshot, also
+        while its main thread is blocked in C++."""
+        for index in ranks:
+            rank = self.group.ranks[index]
+            if rank.state == RankState.RUNNING and rank.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(rank.pid, signal.SIGUSR1)
+
+    def look(self, targets: list[int]) -> dict[int, Snapshot | None]:
+        """Each target's answer to "what are you doing?" (None: no answer in time).
+
+        From any thread: while another one reads the ranks' messages (a cell runs), this
+        one waits to be told the answers came.
+        """
+        before = {rank: self.answers.get(rank, 0) for rank in targets}
+
+        def answered() -> bool:
+            return all(self.answers.get(rank, 0) > before[rank] for rank in targets)
+
+        self.ask(targets)
+        if self.pumping.acquire(blocking=False):
+            try:
+                self.pump(answered, timeout=_LOOK_S)
+            finally:
+                self.pumping.release()
+        else:
+            with self.answered:
+                self.answered.wait_for(answered, timeout=_LOOK_S)
+        return {
+            rank: self.snapshots.get(rank) if self.answers.get(rank, 0) > before[rank] else None
+            for rank in targets
+        }
+
     def stop(self) -> None:
         """Ask every rank to end (from any thread: only signals and flags)."""
         for rank in self.group.ranks:
@@ -120,6 +164,11 @@ class SessionRanks:
     def _on_message(self, rank: Rank, message: Any) -> None:
         if isinstance(message, Reply):
             self.replies[(rank.rank, message.seq)] = message
+        elif isinstance(message, Snapshot):
+            with self.answered:
+                self.snapshots[rank.rank] = message
+                self.answers[rank.rank] = self.answers.get(rank.rank, 0) + 1
+                self.answered.notify_all()
         elif isinstance(message, Ready):
             self.ready[rank.rank] = message
 

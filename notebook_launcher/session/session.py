@@ -22,6 +22,7 @@ from notebook_launcher.errors import (
     RankFailedError,
     RankFailure,
     SessionError,
+    SessionTimeoutError,
     rank_failed_error_class,
 )
 from notebook_launcher.hardware import detect as detect_hardware
@@ -35,6 +36,7 @@ from notebook_launcher.session.capture import check_picklable
 from notebook_launcher.session.interrupts import StopPresses
 from notebook_launcher.session.protocol import Call, Command, Execute, Pull, Push, Regroup, Reply
 from notebook_launcher.session.ranks import SessionRanks
+from notebook_launcher.session.snapshot import Snapshot, status_row, where_text
 
 # While waiting for an answer the kernel wakes this often (to warn about ranks that ignore
 # an interrupt); there is no limit on how long a cell may run.
@@ -81,6 +83,9 @@ class Session:
         self._ranks: SessionRanks | None = None
         self._record: registry.RegisteredLaunch | None = None
         self._watch_stop = threading.Event()
+        self._stopped_where: list[str] = []  # where the ranks were when the last cell was stopped
+        self._timed_out = False  # the last cell ran past its timeout
+
         self._watcher: threading.Thread | None = None
         self._start()
 
@@ -210,13 +215,19 @@ class Session:
         names: Mapping[str, Any] | None = None,
         returns: Sequence[str] = (),
         filename: str | None = None,
+        timeout: float | None = None,
     ) -> list[Any]:
         """Run ``code`` on the ranks (all, or ``ranks`` in that order); the value of its last
         expression on each (None when it ends with a statement).
 
         ``names`` are put into each rank's namespace first; ``returns`` names are read back
-        afterwards (see :attr:`returned`).
+        afterwards (see :attr:`returned`). A cell still running after ``timeout`` seconds is
+        interrupted, and SessionTimeoutError says where each rank was.
         """
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0
+        ):
+            raise LaunchTypeError(f"timeout={timeout!r} must be a number of seconds above 0, or None.")
         if not isinstance(code, str):
             raise LaunchTypeError(f"code must be a string of Python source; got {type(code).__name__}.")
         targets = self._targets(ranks)
@@ -224,7 +235,7 @@ class Session:
         blob = check_picklable(dict(names or {}), "the cell uses")
         name = filename or f"<session cell {self._seq + 1}>"
         replies = self._roundtrip(
-            targets, lambda seq: Execute(seq, code, name, blob, tuple(returns))
+            targets, lambda seq: Execute(seq, code, name, blob, tuple(returns)), timeout=timeout
         )
         values = []
         for position, rank in enumerate(targets):
@@ -263,6 +274,30 @@ class Session:
         from notebook_launcher.widgets.inspector import Inspection
 
         return Inspection([("", collect(self, names, ranks))])
+
+    def where(self) -> list[str]:
+        """One line per rank: idle, or the cell, line and function its code is in now."""
+        looked = self._look_at_all()
+        return [where_text(rank, looked[rank]) for rank in self._all()]
+
+    def status(self) -> list[dict[str, Any]]:
+        """Each rank's state (idle, or running what for how long, and where), pid, resident
+        memory, CPU % (of one core, since the last look) and, on GPU ranks, CUDA memory
+        allocated and reserved by torch, as plain data. Callable from another thread while
+        a cell runs."""
+        looked = self._look_at_all()
+        return [status_row(rank, looked[rank]) for rank in self._all()]
+
+    def _look_at_all(self) -> dict[int, Snapshot | None]:
+        ranks = self._ranks
+        if ranks is None or self._closed:
+            return self._check_usable().look(self._all())  # raises, saying why
+        if not ranks.pumping.acquire(blocking=False):
+            return ranks.look(self._all())  # a cell runs: its thread reads the answers
+        try:
+            return self._check_usable().look(self._all())
+        finally:
+            ranks.pumping.release()
 
     @property
     def owned_names(self) -> set[str]:
@@ -307,15 +342,20 @@ class Session:
             return self._ended
         return "its ranks are gone"
 
-    def _roundtrip(self, targets: list[int], make: Callable[[int], Command]) -> dict[int, Reply]:
+    def _roundtrip(
+        self, targets: list[int], make: Callable[[int], Command], timeout: float | None = None
+    ) -> dict[int, Reply]:
         ranks = self._check_usable()
         self._seq += 1
         seq = self._seq
         presses = StopPresses()
+        self._stopped_where, self._timed_out = [], False
+        ranks.pumping.acquire()
         try:
             for rank in targets:
                 ranks.send(rank, make(seq))
-            replies, user_interrupt, still_running = self._collect(ranks, seq, targets, presses)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            replies, user_interrupt, still_running = self._collect(ranks, seq, targets, presses, deadline)
             ranks.drain()
             for reply in replies.values():
                 self._owned.update(reply.owned)
@@ -332,19 +372,30 @@ class Session:
                     f"the cell was interrupted on rank(s) {_names(targets)}"
                     + ("; the process group was rebuilt" if regrouped else "")
                     + "; the session is ready for the next cell."
+                    + self._where_stopped()
+                )
+            if self._timed_out:
+                raise SessionTimeoutError(
+                    f"the cell ran past its timeout of {timeout:g}s and was interrupted on rank(s) "
+                    f"{_names(r for r in targets if replies[r].interrupted)}"
+                    + ("; the process group was rebuilt" if regrouped else "")
+                    + "; the session is ready for the next cell."
+                    + self._where_stopped()
                 )
             failed = [r for r in targets if replies[r].failure is not None and not replies[r].interrupted]
             if failed:
                 raise self._cell_error(replies, failed, still_running, regrouped)
             return replies
         finally:
+            ranks.pumping.release()
             if presses.installed:
                 self.hold_interrupts(presses.release)
 
     def _collect(
-        self, ranks: SessionRanks, seq: int, targets: list[int], presses: StopPresses
+        self, ranks: SessionRanks, seq: int, targets: list[int], presses: StopPresses,
+        deadline: float | None,
     ) -> tuple[dict[int, Reply], bool, list[int]]:
-        """Wait, with no time limit, for every target's answer, a rank's death or an interrupt."""
+        """Wait for every target's answer, a rank's death, an interrupt or the deadline."""
         pending = list(targets)
         replies: dict[int, Reply] = {}
         user_interrupt = False
@@ -352,16 +403,26 @@ class Session:
         interrupted: list[int] = []  # still running when another rank failed
         warned = False
         while pending:
+            wake = _WAKE_S
+            if deadline is not None and interrupted_at is None:
+                wake = max(min(_WAKE_S, deadline - time.monotonic()), 0.001)
             try:
-                ranks.pump(lambda: any((r, seq) in ranks.replies for r in pending), timeout=_WAKE_S)
+                ranks.pump(lambda: any((r, seq) in ranks.replies for r in pending), timeout=wake)
             except KeyboardInterrupt:
                 if user_interrupt:  # pressed again after the ranks were declared stuck
                     raise self._stopped_stuck(pending) from None
                 user_interrupt = True
                 presses.install()  # later presses are counted, not raised
+                if interrupted_at is None:
+                    self._note_where(ranks, pending)
                 ranks.interrupt(pending, seq)
                 interrupted_at = time.monotonic()
                 continue
+            if deadline is not None and interrupted_at is None and pending and time.monotonic() >= deadline:
+                self._timed_out = True
+                self._note_where(ranks, pending)
+                ranks.interrupt(pending, seq)
+                interrupted_at = time.monotonic()
             for rank in list(pending):
                 reply = ranks.replies.pop((rank, seq), None)
                 if reply is None:
@@ -439,6 +500,16 @@ class Session:
             self._ended = reason
         self._release()
 
+    def _note_where(self, ranks: SessionRanks, pending: list[int]) -> None:
+        """Where the ranks are, looked at before an interrupt unwinds their stacks."""
+        looked = ranks.look(pending)
+        self._stopped_where = [where_text(rank, looked[rank]) for rank in pending]
+
+    def _where_stopped(self) -> str:
+        if not self._stopped_where:
+            return ""
+        return "\nWhere each rank was when it was stopped:\n" + "\n".join(self._stopped_where)
+
     def _stopped_stuck(self, pending: list[int]) -> KeyboardInterrupt:
         """The stop button, pressed again after the ranks did not come back: end the session."""
         self._end(
@@ -448,6 +519,7 @@ class Session:
         return KeyboardInterrupt(
             f"stopped every rank of the session: rank(s) {_names(pending)} did not come back from "
             f"the interrupt. {_RESTART_HINT}; names defined on the old ranks are lost."
+            + self._where_stopped()
         )
 
     def _death_error(self, during: str) -> RankFailedError:

@@ -19,10 +19,11 @@ import socket
 import stat
 import sys
 import threading
+import time
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from types import CodeType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import cloudpickle
 
@@ -42,6 +43,7 @@ from notebook_launcher.session.protocol import (
     Reply,
     Shutdown,
 )
+from notebook_launcher.session.snapshot import Running, Snapshot, SnapshotTaker, cell_label
 
 if TYPE_CHECKING:
     from notebook_launcher.launcher.backends.base import RankEnds
@@ -75,6 +77,10 @@ def serve(commands: Connection) -> None:
 
 class Worker:
     def __init__(self, secret: bytes) -> None:
+        # SIGUSR1 asks what the rank is doing; only the side thread takes it, so a main
+        # thread inside a C++ collective is never woken by it (see _SignalWatch).
+        signal.signal(signal.SIGUSR1, _answered_by_the_side_thread)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
         import torch
         import torch.distributed as dist
 
@@ -101,7 +107,10 @@ class Worker:
         )
         self._group_sockets: set[tuple[int, int]] = set()  # (descriptor, inode)
         self._init_group(0)
-        self.interrupts = _InterruptWatch(self._break_group)
+        self.running: Running | None = None  # the command the main thread runs now
+        self.cell_files: set[str] = set()  # the names cells run under (see run_cell)
+        self._snapshots = SnapshotTaker(threading.main_thread().ident or 0)
+        self.interrupts = _SignalWatch(self._break_group, self._send_snapshot)
         self._commands: Connection | None = None  # the kernel's commands, once serving
         self._waiting: collections.deque[Command] = collections.deque()  # read early, not run yet
 
@@ -167,7 +176,13 @@ class Worker:
                 return
             send(self.handle(command))
 
+    def _send_snapshot(self) -> None:
+        """From the side thread, while the main thread does whatever it does."""
+        with contextlib.suppress(Exception):  # a look must never harm the rank
+            send(self._snapshots.take(self.running, self.cell_files.__contains__, self.namespace["device"]))
+
     def handle(self, command: Command) -> Reply:
+        self.running = Running(_what(command), time.monotonic())
         try:
             with self.interrupts.running():
                 if self._interrupt_queued(command.seq):
@@ -182,6 +197,7 @@ class Worker:
                 group_broken=self.group_broken, owned=self._owned(),
             )
         finally:
+            self.running = None
             _flush()
         return Reply(command.seq, value=value, group_broken=self.group_broken, owned=self._owned())
 
@@ -204,6 +220,7 @@ class Worker:
     def _run(self, command: Command) -> bytes | None:
         if isinstance(command, Execute):
             self._inject(cloudpickle.loads(command.names))
+            self.cell_files.add(command.filename)
             last = run_cell(command.code, command.filename, self.namespace)
             returned = {}
             for name in command.returns:
@@ -264,12 +281,33 @@ def run_cell(code: str, filename: str, namespace: dict[str, Any]) -> Any:
     return eval(compile(ast.Expression(last), filename, "eval"), namespace)
 
 
-class _InterruptWatch:
-    """Turns the kernel's SIGINT into KeyboardInterrupt while a command runs, and breaks
-    the process group when the command does not come back to Python in time."""
+def _what(command: Command) -> str:
+    """The command, as a status line names it."""
+    if isinstance(command, Execute):
+        return cell_label(command.filename)
+    if isinstance(command, Call):
+        return "a function"
+    if isinstance(command, Regroup):
+        return "a rebuild of the process group"
+    return f"a {type(command).__name__.lower()}"
 
-    def __init__(self, break_group: Any) -> None:
+
+def _answered_by_the_side_thread(signum: int, frame: Any) -> None:
+    """SIGUSR1 needs a Python handler for Python to pass it to the side thread's wakeup
+    descriptor; the answer is given there."""
+
+
+class _SignalWatch:
+    """A side thread that sees the rank's signals even while the main thread is stuck in C++.
+
+    SIGINT, the kernel's interrupt, becomes a KeyboardInterrupt while a command runs, and
+    breaks the process group when the command does not come back to Python in time.
+    SIGUSR1 asks what the rank is doing: the thread sends a snapshot of the main thread.
+    """
+
+    def __init__(self, break_group: Callable[[], None], answer: Callable[[], None]) -> None:
         self._break_group = break_group
+        self._answer = answer
         self._running = False
         self.signalled = False  # an interrupt arrived while the current command ran
         self._idle = threading.Event()
@@ -301,10 +339,13 @@ class _InterruptWatch:
             raise KeyboardInterrupt
 
     def _watch(self, read_fd: int) -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})  # blocked in the main thread
         while True:
             data = os.read(read_fd, 64)
             if not data:
                 return
+            if signal.SIGUSR1 in data:
+                self._answer()
             if signal.SIGINT not in data or self._idle.is_set():
                 continue
             self.signalled = True
@@ -312,7 +353,7 @@ class _InterruptWatch:
                 self._break_group()
 
 
-def send(message: Ready | Reply) -> None:
+def send(message: Ready | Reply | Snapshot) -> None:
     """Over the launcher's rank -> kernel channel, which carries any picklable message."""
     rank_runner.send(message)  # type: ignore[arg-type]
 
