@@ -119,7 +119,12 @@ def test_the_stop_button_interrupts_every_rank_and_the_session_survives():
 
     with Session(num_processes=2, hardware="cpu", observers=[StopButton()]) as session:
         session.execute("y = rank")
-        with pytest.raises(KeyboardInterrupt, match=r"^the cell was interrupted on rank\(s\) 0, 1; the process group was rebuilt; the session is ready for the next cell\.$"):
+        with pytest.raises(
+            KeyboardInterrupt,
+            match=r"^the cell was interrupted on rank\(s\) 0, 1; the process group was rebuilt; the session "
+            r"is ready for the next cell\.\nWhere each rank was when it was stopped:\n"
+            r"rank 0: session cell 2, line 3, in time\.sleep\nrank 1: session cell 2, line 3, in time\.sleep$",
+        ):
             session.execute("import time\nprint('sleeping', flush=True)\ntime.sleep(600)")
         assert session.alive
         assert session.execute("y") == [0, 1]
@@ -402,3 +407,27 @@ def test_a_ranks_exception_that_cannot_travel_still_brings_its_type(session):
     assert type(caught.value).__name__ == "RankFailedError[ValueError]"
     assert caught.value.__cause__ is None
     assert "line 4, in <module>" in str(caught.value) and "worker.py" not in str(caught.value)
+
+
+def test_status_from_another_thread_while_a_cell_runs_says_what_and_where(session, tmp_path):
+    import threading
+
+    go_on = tmp_path / "go-on"
+    code = f"import os, time\nwhile not os.path.exists({str(go_on)!r}):\n    time.sleep(0.01)\nrank"
+    cell = threading.Thread(target=lambda: session.execute(code, ranks=[1], filename="In[12]"))
+    cell.start()
+    try:
+        deadline = time.monotonic() + 120  # a safety net
+        rows = session.status()
+        while rows[1]["state"] != "running" and time.monotonic() < deadline:
+            rows = session.status()
+    finally:
+        go_on.touch()
+        cell.join()
+    assert rows[0]["state"] == "idle" and rows[0]["running"] is None
+    assert rows[1]["running"] == "cell 12" and rows[1]["running_s"] >= 0
+    assert rows[1]["where"] in ("cell 12, line 3, in time.sleep", "cell 12, line 2, in os.path.exists")
+    assert rows[1]["pid"] == session.pids[1] and rows[1]["rss_bytes"] > 10_000_000
+    assert rows[1]["cuda_allocated_bytes"] is None and rows[1]["cuda_reserved_bytes"] is None
+    with pytest.raises(LaunchTypeError, match=r"^timeout=-1 must be a number of seconds above 0, or None\.$"):
+        session.execute("1", timeout=-1)

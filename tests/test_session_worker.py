@@ -93,11 +93,12 @@ def test_magic_lines_parse_into_commands():
         assert parse_line(command).command == command
     cell = parse_cell_line("--ranks 0 1 --return loss model")
     assert cell.ranks == [0, 1] and cell.returns == ["loss", "model"]
-    assert parse_cell_line("").ranks is None
+    assert parse_cell_line("").ranks is None and parse_cell_line("").timeout is None
+    assert parse_cell_line("--timeout 2.5").timeout == 2.5 and parse_line("debug --rank 1").rank == 1
 
 
 def test_a_wrong_magic_line_says_what_is_wrong_without_ending_the_kernel():
-    with pytest.raises(DistributedUsageError, match=r"%distributed needs a command: start, push, pull, show, status, restart or stop"):
+    with pytest.raises(DistributedUsageError, match=r"%distributed needs a command: start, push, pull, show, status, where, debug, restart or stop"):
         parse_line("")
     with pytest.raises(DistributedUsageError, match=r"invalid choice: 'launch'"):
         parse_line("launch")

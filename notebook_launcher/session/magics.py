@@ -18,7 +18,7 @@ from typing import Any, Callable
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from notebook_launcher.errors import LaunchConfigError, SessionTimeoutError
+from notebook_launcher.errors import LaunchConfigError, SessionError, SessionTimeoutError
 from notebook_launcher.session.capture import notebook_values
 from notebook_launcher.session.session import Session
 from notebook_launcher.session.snapshot import status_line
@@ -59,6 +59,8 @@ def _parsers() -> tuple[_Parser, _Parser]:
     show = commands.add_parser("show", add_help=False)
     show.add_argument("names", nargs="+")
     show.add_argument("--ranks", type=int, nargs="+", default=None)
+    debug = commands.add_parser("debug", add_help=False)
+    debug.add_argument("--rank", type=int, default=None)
     for name in ("status", "where", "restart", "stop"):
         commands.add_parser(name, add_help=False)
     cell = _Parser(prog="%%distributed", add_help=False, allow_abbrev=False)
@@ -83,7 +85,7 @@ def parse_line(line: str) -> argparse.Namespace:
     parsed = _parsers()[0].parse_args(_words("%distributed", line))
     if parsed.command is None:
         raise DistributedUsageError(
-            "%distributed needs a command: start, push, pull, show, status, where, restart or stop "
+            "%distributed needs a command: start, push, pull, show, status, where, debug, restart or stop "
             "(e.g. %distributed start -n 2); %%distributed runs a cell on the ranks."
         )
     return parsed
@@ -207,6 +209,13 @@ class DistributedMagics(Magics):
             session.push({n: self._shell.user_ns[n] for n in args.names})
         elif args.command == "show":
             _display(session.show(*args.names, ranks=args.ranks))
+        elif args.command == "debug":
+            try:
+                session.debug(args.rank)
+            except SessionError as error:
+                text = f"{type(error).__name__}: {error}"  # the message is the whole story
+                setattr(error, "_render_traceback_", lambda: [text])  # noqa: B010
+                raise
         elif args.command == "where":
             print("\n".join(session.where()))
         elif args.command == "pull":

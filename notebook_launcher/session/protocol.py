@@ -79,7 +79,14 @@ class Interrupt:
     seq: int
 
 
-Command = Union[Execute, Call, Push, Pull, Regroup, Shutdown, Interrupt]
+@dataclasses.dataclass(frozen=True)
+class Debug:
+    """Open pdb at the rank's last failure; it talks through DebugPrompt / DebugInput."""
+
+    seq: int
+
+
+Command = Union[Execute, Call, Push, Pull, Regroup, Shutdown, Interrupt, Debug]
 
 
 @dataclasses.dataclass(frozen=True)

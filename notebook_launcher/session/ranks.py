@@ -25,6 +25,7 @@ from notebook_launcher.launcher.plan import LaunchPlan
 from notebook_launcher.launcher.rank_group import Rank, RankGroup, RankState
 from notebook_launcher.launcher.run import Emitter, rank_specs
 from notebook_launcher.launcher.store import RendezvousStore, bind_listener
+from notebook_launcher.session.debugging import DebugInput, DebugPrompt
 from notebook_launcher.session.protocol import Command, Interrupt, Join, Ready, Reply
 from notebook_launcher.session.snapshot import Snapshot
 from notebook_launcher.session.worker import session_rank
@@ -46,6 +47,7 @@ class SessionRanks:
         self.answers: dict[int, int] = {}  # how many answers each rank gave so far
         self.answered = threading.Condition()  # notified as each answer comes
         self.pumping = threading.RLock()  # held by the thread that reads the ranks' messages
+        self.prompts: dict[tuple[int, int], list[DebugPrompt]] = {}  # (rank, seq) -> pdb's prompts
         self._cleanup = contextlib.ExitStack()
         try:
             backend = backends.lookup(plan.backend)
@@ -80,7 +82,7 @@ class SessionRanks:
         failures = {failure.rank: failure for failure in self.group.outcome.failures}
         return {r.rank: failures.get(r.rank) for r in self.group.ranks if r.state == RankState.EXITED}
 
-    def send(self, rank: int, command: Command | Join) -> None:
+    def send(self, rank: int, command: Command | Join | DebugInput) -> None:
         try:
             self.group.send(rank, command)
         except OSError:
@@ -169,6 +171,8 @@ class SessionRanks:
                 self.snapshots[rank.rank] = message
                 self.answers[rank.rank] = self.answers.get(rank.rank, 0) + 1
                 self.answered.notify_all()
+        elif isinstance(message, DebugPrompt):
+            self.prompts.setdefault((rank.rank, message.seq), []).append(message)
         elif isinstance(message, Ready):
             self.ready[rank.rank] = message
 

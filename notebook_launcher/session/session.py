@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import builtins
 import numbers
 import os
 import sys
@@ -20,10 +20,8 @@ from notebook_launcher.errors import (
     LaunchStoppedError,
     LaunchTypeError,
     RankFailedError,
-    RankFailure,
     SessionError,
     SessionTimeoutError,
-    rank_failed_error_class,
 )
 from notebook_launcher.hardware import detect as detect_hardware
 from notebook_launcher.launcher import options
@@ -33,8 +31,19 @@ from notebook_launcher.launcher.plan import LaunchCall, LaunchPlan, resolve_plan
 from notebook_launcher.launcher.printer import TextPrinter
 from notebook_launcher.launcher.start_method import KernelState
 from notebook_launcher.session.capture import check_picklable
+from notebook_launcher.session.cell_failure import cell_error, rank_names
+from notebook_launcher.session.debugging import drive
 from notebook_launcher.session.interrupts import StopPresses
-from notebook_launcher.session.protocol import Call, Command, Execute, Pull, Push, Regroup, Reply
+from notebook_launcher.session.protocol import (
+    Call,
+    Command,
+    Debug,
+    Execute,
+    Pull,
+    Push,
+    Regroup,
+    Reply,
+)
 from notebook_launcher.session.ranks import SessionRanks
 from notebook_launcher.session.snapshot import Snapshot, status_row, where_text
 
@@ -85,6 +94,7 @@ class Session:
         self._watch_stop = threading.Event()
         self._stopped_where: list[str] = []  # where the ranks were when the last cell was stopped
         self._timed_out = False  # the last cell ran past its timeout
+        self._failed_rank: int | None = None  # whose failure the last failed cell reported
 
         self._watcher: threading.Thread | None = None
         self._start()
@@ -288,6 +298,43 @@ class Session:
         looked = self._look_at_all()
         return [status_row(rank, looked[rank]) for rank in self._all()]
 
+    def debug(self, rank: int | None = None, *, read: Callable[[str], str] | None = None) -> None:
+        """pdb in a rank, at the frame that raised in its last cell, until ``q``; each line is
+        asked with ``read`` (default ``input``; in a notebook: the cell's input box). The other
+        ranks wait.
+
+        ``rank`` defaults to the rank whose failure the last failed cell reported.
+        """
+        if rank is None:
+            rank = self._failed_rank
+            if rank is None:
+                raise SessionError(
+                    "no cell has failed on the ranks of this session, so there is no error to "
+                    "debug; after a cell fails, %distributed debug (or session.debug(rank=R)) "
+                    "opens pdb where it failed."
+                )
+        (target,) = self._targets([rank])
+        ranks = self._check_usable()
+        self._seq += 1
+        seq = self._seq
+        with ranks.pumping:
+            ranks.send(target, Debug(seq))
+            # input() looked up now: a kernel replaces it while a cell runs, to ask the notebook
+            reply = drive(ranks, target, seq, read or (lambda prompt: builtins.input(prompt)), _write)
+            ranks.drain()
+        if reply is None:
+            self._end()
+            raise self._death_error(during="while it was being debugged")
+        if reply.failure is not None:
+            raise SessionError(
+                f"the debugger ended with an error on rank {target}: {reply.failure.exception_type}: "
+                f"{reply.failure.message}. The session goes on."
+            )
+        kind, text = cloudpickle.loads(reply.value or cloudpickle.dumps(("done", "")))
+        if kind == "nothing":
+            raise SessionError(text)
+        _write(text)
+
     def _look_at_all(self) -> dict[int, Snapshot | None]:
         ranks = self._ranks
         if ranks is None or self._closed:
@@ -369,7 +416,7 @@ class Session:
                 self._regroup(ranks, presses)
             if user_interrupt or presses.installed:
                 raise KeyboardInterrupt(
-                    f"the cell was interrupted on rank(s) {_names(targets)}"
+                    f"the cell was interrupted on rank(s) {rank_names(targets)}"
                     + ("; the process group was rebuilt" if regrouped else "")
                     + "; the session is ready for the next cell."
                     + self._where_stopped()
@@ -377,14 +424,15 @@ class Session:
             if self._timed_out:
                 raise SessionTimeoutError(
                     f"the cell ran past its timeout of {timeout:g}s and was interrupted on rank(s) "
-                    f"{_names(r for r in targets if replies[r].interrupted)}"
+                    f"{rank_names(r for r in targets if replies[r].interrupted)}"
                     + ("; the process group was rebuilt" if regrouped else "")
                     + "; the session is ready for the next cell."
                     + self._where_stopped()
                 )
             failed = [r for r in targets if replies[r].failure is not None and not replies[r].interrupted]
             if failed:
-                raise self._cell_error(replies, failed, still_running, regrouped)
+                self._failed_rank = min(failed, key=lambda r: replies[r].failure.time)  # type: ignore[union-attr]
+                raise cell_error(replies, failed, still_running, regrouped, self.pids)
             return replies
         finally:
             ranks.pumping.release()
@@ -445,7 +493,7 @@ class Session:
                 warned = True
                 presses.ending = True
                 print(
-                    f"notebook_launcher: rank(s) {_names(pending)} did not stop within "
+                    f"notebook_launcher: rank(s) {rank_names(pending)} did not stop within "
                     f"{_STUCK_AFTER_S:g}s of the interrupt. Interrupt the kernel again to stop "
                     "every rank (the session then needs a restart).",
                     file=sys.stderr,
@@ -513,11 +561,11 @@ class Session:
     def _stopped_stuck(self, pending: list[int]) -> KeyboardInterrupt:
         """The stop button, pressed again after the ranks did not come back: end the session."""
         self._end(
-            f"it was stopped from the notebook while rank(s) {_names(pending)} did not come back "
+            f"it was stopped from the notebook while rank(s) {rank_names(pending)} did not come back "
             "from an interrupt"
         )
         return KeyboardInterrupt(
-            f"stopped every rank of the session: rank(s) {_names(pending)} did not come back from "
+            f"stopped every rank of the session: rank(s) {rank_names(pending)} did not come back from "
             f"the interrupt. {_RESTART_HINT}; names defined on the old ranks are lost."
             + self._where_stopped()
         )
@@ -540,51 +588,10 @@ class Session:
             lines += ["", f"Last output of rank {root.rank}:", root.output_tail]
         return RankFailedError("\n".join(lines), failures)
 
-    def _cell_error(
-        self, replies: dict[int, Reply], failed: list[int], interrupted: list[int], regrouped: bool
-    ) -> RankFailedError:
-        pids = self.pids
-        failures = []
-        for rank in failed:
-            f = replies[rank].failure
-            assert f is not None
-            failures.append(RankFailure(rank, pids[rank], None, f.exception_type, f.message, f.traceback, time=f.time))
-        failures.sort(key=lambda f: f.time)
-        root = failures[0]
-        lines = [f"{root.summary()}."]
-        for later in failures[1:]:
-            lines.append(f"Also, {later.summary()[0].lower()}{later.summary()[1:]}.")
-        stopped = [r for r in interrupted if replies[r].interrupted]
-        if stopped:
-            lines.append(
-                f"Rank(s) {_names(stopped)} were still running the cell and were interrupted."
-            )
-        if regrouped:
-            lines.append(
-                "The process group was rebuilt (a collective may have been left half-done), so "
-                "the next cell can use collectives again; the names defined so far are kept."
-            )
-        lines.append("The session is ready for the next cell.")
-        failure = replies[root.rank].failure
-        assert failure is not None
-        lines += ["", f"Traceback from rank {root.rank}:", failure.traceback.rstrip()]
-        remote: BaseException | None = None
-        remote_type: type[BaseException] | None = None
-        if failure.exception is not None:
-            with contextlib.suppress(Exception):  # its class may not exist in the kernel
-                remote = cloudpickle.loads(failure.exception)
-                remote_type = type(remote)
-        if remote_type is None and failure.exception_class is not None:
-            with contextlib.suppress(Exception):
-                remote_type = cloudpickle.loads(failure.exception_class)
-        error = rank_failed_error_class(remote_type)("\n".join(lines), failures)
-        if remote is not None:
-            error.__cause__ = remote
-        return error
 
-
-def _names(ranks: Iterable[int]) -> str:
-    return ", ".join(str(r) for r in ranks)
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def make_plan(

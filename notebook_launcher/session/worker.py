@@ -29,9 +29,11 @@ import cloudpickle
 
 from notebook_launcher import rank_env
 from notebook_launcher.launcher import rank as rank_runner
+from notebook_launcher.session.debugging import DebugPrompt, LastFailure, post_mortem
 from notebook_launcher.session.protocol import (
     Call,
     Command,
+    Debug,
     Execute,
     Interrupt,
     Join,
@@ -109,6 +111,8 @@ class Worker:
         self._init_group(0)
         self.running: Running | None = None  # the command the main thread runs now
         self.cell_files: set[str] = set()  # the names cells run under (see run_cell)
+        self.last_failure: LastFailure | None = None  # of the last cell (or call), for the debugger
+        self.last_ran: str | None = None  # what the last cell (or call) was
         self._snapshots = SnapshotTaker(threading.main_thread().ident or 0)
         self.interrupts = _SignalWatch(self._break_group, self._send_snapshot)
         self._commands: Connection | None = None  # the kernel's commands, once serving
@@ -183,6 +187,8 @@ class Worker:
 
     def handle(self, command: Command) -> Reply:
         self.running = Running(_what(command), time.monotonic())
+        if isinstance(command, (Execute, Call)):
+            self.last_failure, self.last_ran = None, self.running.what
         try:
             with self.interrupts.running():
                 if self._interrupt_queued(command.seq):
@@ -192,6 +198,8 @@ class Worker:
             # A collective cut off by the interrupt fails with gloo's own error, raised before
             # or instead of the KeyboardInterrupt: either way the kernel's interrupt ended it.
             interrupted = isinstance(error, KeyboardInterrupt) or self.interrupts.signalled
+            if isinstance(command, (Execute, Call)) and not interrupted:
+                self.last_failure = LastFailure(self.running.what, rank_runner.user_frames(error.__traceback__))
             return Reply(
                 command.seq, failure=rank_runner.failure_record(error), interrupted=interrupted,
                 group_broken=self.group_broken, owned=self._owned(),
@@ -243,7 +251,23 @@ class Worker:
         if isinstance(command, Regroup):
             self._regroup(command.generation)
             return None
+        if isinstance(command, Debug):
+            return cloudpickle.dumps(self._debug(command.seq))
         raise TypeError(f"unknown command {command!r}")
+
+    def _debug(self, seq: int) -> tuple[str, str]:
+        """("done", pdb's last output), or ("nothing", why there is nothing to debug)."""
+        failure, commands = self.last_failure, self._commands
+        if failure is None or commands is None:
+            why = (
+                f"the last cell it ran ({self.last_ran}) did not fail there"
+                if self.last_ran is not None else "no cell has run there yet"
+            )
+            return "nothing", (
+                f"rank {self.rank} has no error to debug: {why}. A rank keeps its error for "
+                "%distributed debug until the next cell runs."
+            )
+        return "done", post_mortem(failure, self.rank, seq, commands, send, self._waiting.append, self.cell_files)
 
     def _inject(self, names: dict[str, Any]) -> None:
         for name, value in names.items():
@@ -353,7 +377,7 @@ class _SignalWatch:
                 self._break_group()
 
 
-def send(message: Ready | Reply | Snapshot) -> None:
+def send(message: Ready | Reply | Snapshot | DebugPrompt) -> None:
     """Over the launcher's rank -> kernel channel, which carries any picklable message."""
     rank_runner.send(message)  # type: ignore[arg-type]
 

@@ -1,0 +1,131 @@
+"""Where each rank is stuck, its status, and pdb in a failed rank, in a real Jupyter kernel."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from .kernel_driver import CellRun, RunningKernel, run_ok, wait_for_output, with_session
+
+pytestmark = [pytest.mark.kernel, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    yield from with_session()
+
+
+def next_cell_number(kernel: RunningKernel) -> int:
+    """The number the notebook shows on the next cell (``In [n]``), as tracebacks name it."""
+    return int(run_ok(kernel, "get_ipython().execution_count").result) + 1
+
+
+def run_answering(kernel: RunningKernel, code: str, answers: list[str]) -> tuple[CellRun, list[str]]:
+    """Run a cell that asks for input (Jupyter's stdin channel), typing ``answers`` in turn."""
+    msg_id = kernel.client.execute(code, allow_stdin=True)
+    prompts = []
+    for answer in answers:
+        request = kernel.client.get_stdin_msg(timeout=120)  # a safety net
+        assert request["msg_type"] == "input_request", request
+        prompts.append(request["content"]["prompt"])
+        kernel.client.input(answer)
+    return kernel.collect(msg_id), prompts
+
+
+def test_debug_with_no_failed_cell_says_there_is_nothing_to_debug(kernel):
+    cell = kernel.run("%distributed debug")
+    assert cell.error["ename"] == "SessionError"
+    assert cell.error["evalue"] == (
+        "no cell has failed on the ranks of this session, so there is no error to debug; after a "
+        "cell fails, %distributed debug (or session.debug(rank=R)) opens pdb where it failed."
+    )
+
+
+def test_a_cell_past_its_timeout_names_each_ranks_line_one_in_sleep_one_blocked_in_all_reduce(kernel):
+    n = next_cell_number(kernel)
+    cell = kernel.run(
+        "%%distributed --timeout 3\n"
+        "import time\n"
+        "t = torch.ones(2)\n"
+        "if rank == 0:\n"
+        "    time.sleep(600)\n"
+        "torch.distributed.all_reduce(t)\n"
+    )
+    assert cell.error["ename"] == "SessionTimeoutError"
+    assert cell.error["evalue"].startswith(
+        "the cell ran past its timeout of 3s and was interrupted on rank(s) 0, 1; the process "
+        "group was rebuilt; the session is ready for the next cell.\nWhere each rank was when it "
+        f"was stopped:\nrank 0: cell {n}, line 5, in time.sleep\n"
+        f"rank 1: cell {n}, line 6, in all_reduce (waiting for the others)"
+    ), cell.error["evalue"]
+    after = run_ok(kernel, "%%distributed\nt = torch.ones(2)\ntorch.distributed.all_reduce(t)\nt.tolist()")
+    assert after.result == "[rank0]: [2.0, 2.0]\n[rank1]: [2.0, 2.0]"
+
+
+def test_the_stop_button_names_where_each_rank_was_inside_a_function_of_the_cell(kernel):
+    n = next_cell_number(kernel)
+    msg_id = kernel.submit(
+        "%%distributed\n"
+        "import time\n"
+        "def wait():\n"
+        "    time.sleep(600)\n"
+        "print('waiting', flush=True)\n"
+        "if rank == 0:\n"
+        "    time.sleep(600)\n"
+        "wait()\n"
+    )
+    wait_for_output(kernel, msg_id, ["[rank0]: waiting", "[rank1]: waiting"])
+    kernel.manager.interrupt_kernel()
+    cell = kernel.collect(msg_id, timeout=600)  # a safety net: it ends in seconds
+    assert cell.error["ename"] == "KeyboardInterrupt"
+    assert "Where each rank was when it was stopped:\n" in cell.error["evalue"]
+    assert f"\nrank 0: cell {n}, line 7, in time.sleep" in cell.error["evalue"], cell.error["evalue"]
+    assert f"\nrank 1: cell {n}, line 4 (in wait), in time.sleep" in cell.error["evalue"]
+
+
+def test_where_and_status_show_every_rank_with_its_memory(kernel):
+    assert run_ok(kernel, "%distributed where").stdout == (
+        "rank 0: idle, waiting for the next cell\nrank 1: idle, waiting for the next cell\n"
+    )
+    run_ok(kernel, "%%distributed\nbig = torch.ones(60_000_000) if rank == 1 else None")  # 240 MB on rank 1
+    lines = run_ok(kernel, "%distributed status").stdout.splitlines()
+    assert lines[0].startswith("notebook_launcher: 2 CPU ranks") and "alive (pids " in lines[0]
+    pids = [int(p) for p in lines[0].split("(pids ")[1].rstrip(")").split(", ")]
+    rss = []
+    for rank, line in enumerate(lines[1:]):
+        found = re.fullmatch(rf"rank {rank}: idle, pid {pids[rank]}, RSS ([\d.]+) MiB, CPU \d+%", line)
+        assert found, line
+        rss.append(float(found.group(1)))
+    assert rss[1] - rss[0] > 200, rss
+    run_ok(kernel, "%%distributed\ndel big")
+
+
+def test_pdb_in_the_failed_rank_through_the_input_box_then_the_session_goes_on(kernel):
+    n = next_cell_number(kernel)
+    failed = kernel.run(
+        "%%distributed\n"
+        "x = 41 + rank\n"
+        "def inner(y):\n"
+        "    z = y * 2\n"
+        "    raise ValueError(z)\n"
+        "if rank == 1:\n"
+        "    inner(x)\n"
+    )
+    assert failed.error["ename"] == "RankFailedError[ValueError]"
+    cell, prompts = run_answering(kernel, "%distributed debug", ["p z", "up", "p x", "l", "q"])
+    assert cell.error is None, cell.error
+    assert prompts == ["(Pdb) "] * 5
+    assert cell.stdout.startswith(
+        f"pdb in rank 1, at the error of cell {n} (q quits; the other ranks wait).\n"
+        f"> In[{n}](5)inner()\n-> raise ValueError(z)\n84\n> In[{n}](7)<module>()\n-> inner(x)\n42\n"
+    ), cell.stdout
+    assert "  7  ->\t    inner(x)\n" in cell.stdout
+    # The other rank kept its names; the failure is gone once the next cell ran.
+    assert run_ok(kernel, "%%distributed\nx").result == "[rank0]: 41\n[rank1]: 42"
+    again = kernel.run("%distributed debug --rank 1")
+    assert again.error["ename"] == "SessionError"
+    assert again.error["evalue"] == (
+        f"rank 1 has no error to debug: the last cell it ran (cell {n + 2}) did not fail there. A "
+        "rank keeps its error for %distributed debug until the next cell runs."
+    )
