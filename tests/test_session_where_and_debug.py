@@ -106,6 +106,7 @@ def test_pdb_in_the_failed_rank_through_the_input_box_then_the_session_goes_on(k
     failed = kernel.run(
         "%%distributed\n"
         "x = 41 + rank\n"
+        "torch.distributed.barrier()  # rank 0 has x before rank 1 fails\n"
         "def inner(y):\n"
         "    z = y * 2\n"
         "    raise ValueError(z)\n"
@@ -118,9 +119,9 @@ def test_pdb_in_the_failed_rank_through_the_input_box_then_the_session_goes_on(k
     assert prompts == ["(Pdb) "] * 5
     assert cell.stdout.startswith(
         f"pdb in rank 1, at the error of cell {n} (q quits; the other ranks wait).\n"
-        f"> In[{n}](5)inner()\n-> raise ValueError(z)\n84\n> In[{n}](7)<module>()\n-> inner(x)\n42\n"
+        f"> In[{n}](6)inner()\n-> raise ValueError(z)\n84\n> In[{n}](8)<module>()\n-> inner(x)\n42\n"
     ), cell.stdout
-    assert "  7  ->\t    inner(x)\n" in cell.stdout
+    assert "  8  ->\t    inner(x)\n" in cell.stdout
     # The other rank kept its names; the failure is gone once the next cell ran.
     assert run_ok(kernel, "%%distributed\nx").result == "[rank0]: 41\n[rank1]: 42"
     again = kernel.run("%distributed debug --rank 1")
@@ -129,3 +130,49 @@ def test_pdb_in_the_failed_rank_through_the_input_box_then_the_session_goes_on(k
         f"rank 1 has no error to debug: the last cell it ran (cell {n + 2}) did not fail there. A "
         "rank keeps its error for %distributed debug until the next cell runs."
     )
+
+
+def shell_reply(kernel: RunningKernel, msg_id: str) -> dict:
+    """The content of the kernel's reply to request ``msg_id`` (earlier replies are skipped)."""
+    while True:
+        message = kernel.client.get_shell_msg(timeout=120)  # a safety net
+        if message["parent_header"].get("msg_id") == msg_id:
+            return message["content"]
+
+
+def test_tab_and_shift_tab_answer_from_the_ranks_without_touching_the_kernels_names(kernel):
+    run_ok(
+        kernel,
+        "%%distributed\nonly_on_ranks = rank\nif rank == 1:\n    rank_one_thing = 3\n"
+        "def scale(x, factor=2):\n    'Multiply x by factor.'\n    return x * factor",
+    )
+    for code, expected in (("%%distributed\nonly_on", ["only_on_ranks"]), ("%%distributed\nrank_o", ["rank_one_thing"])):
+        reply = shell_reply(kernel, kernel.client.complete(code, len(code)))
+        assert reply["matches"] == expected and reply["cursor_start"] == code.index("\n") + 1, reply
+    types = {c["text"]: c["type"] for c in reply["metadata"]["_jupyter_types_experimental"]}
+    assert types == {"rank_one_thing": "int, rank 1 only"}
+    code = "%%distributed\nscale(3)"
+    reply = shell_reply(kernel, kernel.client.inspect(code, code.index("scale") + 2))
+    assert reply["found"] is True
+    assert reply["data"]["text/plain"].startswith(
+        "Type:      function\nSignature: scale(x, factor=2)\nDocstring: Multiply x by factor."
+    ), reply
+    # Not a rank cell: the kernel's own names, where there is no scale.
+    assert shell_reply(kernel, kernel.client.inspect("scale(3)", 2))["found"] is False
+    names = run_ok(kernel, "[n for n in ('only_on_ranks', 'rank_one_thing', 'scale') if n in globals()]")
+    assert names.result == "[]"
+
+
+def test_auto_mode_runs_every_cell_on_the_ranks_until_off_and_local_cells_in_the_kernel(kernel):
+    on = run_ok(kernel, "%distributed auto on")
+    assert "every cell now runs on the ranks" in on.stdout
+    cell = run_ok(kernel, "rank * 10")
+    assert cell.result == "[rank0]: 0\n[rank1]: 10"
+    assert "[on the ranks] (auto mode; %%local runs a cell here)" in cell.stderr
+    assert run_ok(kernel, "%%local\nimport os\nos.getpid()").result == str(kernel.pid)
+    failed = kernel.run("x = 1\nraise ValueError('line two')")
+    assert failed.error["ename"] == "RankFailedError[ValueError]"
+    assert ", line 2, in <module>" in failed.error["evalue"]  # the cell's own numbering
+    run_ok(kernel, "%distributed auto off")
+    assert kernel.run("rank").error["ename"] == "NameError"
+    assert run_ok(kernel, "%%distributed\nrank").result == "[rank0]: 0\n[rank1]: 1"

@@ -16,7 +16,7 @@ import traceback
 from typing import Any, Callable
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 
 from notebook_launcher.errors import LaunchConfigError, SessionError, SessionTimeoutError
 from notebook_launcher.session.capture import notebook_values
@@ -59,6 +59,8 @@ def _parsers() -> tuple[_Parser, _Parser]:
     show = commands.add_parser("show", add_help=False)
     show.add_argument("names", nargs="+")
     show.add_argument("--ranks", type=int, nargs="+", default=None)
+    auto = commands.add_parser("auto", add_help=False)
+    auto.add_argument("switch", choices=["on", "off"])
     debug = commands.add_parser("debug", add_help=False)
     debug.add_argument("--rank", type=int, default=None)
     for name in ("status", "where", "restart", "stop"):
@@ -68,6 +70,7 @@ def _parsers() -> tuple[_Parser, _Parser]:
     cell.add_argument("--return", dest="returns", nargs="+", default=[])
     cell.add_argument("--show", dest="show", nargs="+", default=[])
     cell.add_argument("--timeout", type=float, default=None)
+    cell.add_argument("--auto", action="store_true", help=argparse.SUPPRESS)  # put there by auto mode
     return line, cell
 
 
@@ -85,7 +88,8 @@ def parse_line(line: str) -> argparse.Namespace:
     parsed = _parsers()[0].parse_args(_words("%distributed", line))
     if parsed.command is None:
         raise DistributedUsageError(
-            "%distributed needs a command: start, push, pull, show, status, where, debug, restart or stop "
+            "%distributed needs a command: start, push, pull, show, status, where, debug, auto, restart "
+            "or stop "
             "(e.g. %distributed start -n 2); %%distributed runs a cell on the ranks."
         )
     return parsed
@@ -108,7 +112,7 @@ def transform_cell(shell: Any, cell: str) -> str:
     return str(shell.transform_cell(cell))
 
 
-def rank_code(cell: str, transformed: str, filename: str) -> tuple[str, ast.Module]:
+def rank_code(cell: str, transformed: str, filename: str, first_line: int = 2) -> tuple[str, ast.Module]:
     """The cell as the ranks run it, checked in the kernel first; and its syntax tree.
 
     ``transformed`` is the cell after IPython's input transformations: plain Python passes
@@ -133,7 +137,7 @@ def rank_code(cell: str, transformed: str, filename: str) -> tuple[str, ast.Modu
             "ranks cannot run: they are plain Python processes without IPython. Write it in Python "
             "on the ranks, or run it in a cell of its own."
         )
-    code = "\n" + transformed
+    code = "\n" * (first_line - 1) + transformed
     try:
         tree = ast.parse(code, filename, "exec")  # a SyntaxError names the cell's own line
     except SyntaxError as error:
@@ -161,6 +165,14 @@ class RankValues(list):
 @magics_class
 class DistributedMagics(Magics):
     session: Session | None = None
+    auto = False  # every cell runs on the ranks (%distributed auto on)
+    _transforming_body = False  # a cell's body goes through IPython's transformations again
+
+    @cell_magic
+    def local(self, line: str, cell: str) -> Any:
+        """``%%local``: the cell runs in the kernel (what auto mode leaves to the kernel)."""
+        result = self._shell.run_cell(cell, store_history=False)
+        return None if result.error_in_exec is None else result.raise_error()
 
     @line_cell_magic
     def distributed(self, line: str, cell: str | None = None) -> Any:
@@ -181,6 +193,9 @@ class DistributedMagics(Magics):
                 f"notebook_launcher: session started: {self.session.describe()}."
                 + (" The previous session was stopped." if replaced else "")
             )
+            return None
+        if args.command == "auto":
+            self._set_auto(args.switch == "on")
             return None
         if args.command == "status":
             if self.session is None:
@@ -222,6 +237,30 @@ class DistributedMagics(Magics):
             self._shell.user_ns[args.name] = session.pull(args.name, rank=args.rank)
         return None
 
+    def _set_auto(self, on: bool) -> None:
+        transforms = self._shell.input_transformers_cleanup
+        if on and self._to_ranks not in transforms:
+            transforms.append(self._to_ranks)  # only while on: a cell pays nothing otherwise
+        elif not on and self._to_ranks in transforms:
+            transforms.remove(self._to_ranks)
+        self.auto = on
+        print(
+            "notebook_launcher: every cell now runs on the ranks; a cell that starts with %%local "
+            "runs in the kernel, and %distributed auto off ends this." if on else
+            "notebook_launcher: cells run in the kernel again; %%distributed runs one on the ranks."
+        )
+
+    def _to_ranks(self, lines: list[str]) -> list[str]:
+        """IPython input transformation while auto mode is on: a cell becomes a rank cell."""
+        if self._transforming_body or not lines:
+            return lines
+        first = lines[0].lstrip()
+        if first.startswith("%%local"):
+            return lines[1:]
+        if first.startswith(("%distributed", "%%", "%load_ext", "%reload_ext")) or not "".join(lines).strip():
+            return lines
+        return ["%%distributed --auto\n", *lines]
+
     @property
     def _shell(self) -> Any:
         shell = self.shell
@@ -255,7 +294,15 @@ class DistributedMagics(Magics):
 
     def _cell(self, args: argparse.Namespace, cell: str) -> Any:
         filename = f"In[{self._shell.execution_count}]"
-        code, tree = rank_code(cell, transform_cell(self._shell, cell), filename)
+        self._transforming_body = True
+        try:
+            transformed = transform_cell(self._shell, cell)
+        finally:
+            self._transforming_body = False
+        # An auto-mode cell's first line is the user's own: no %%distributed line above it.
+        code, tree = rank_code(cell, transformed, filename, first_line=1 if args.auto else 2)
+        if args.auto:
+            print("notebook_launcher: [on the ranks] (auto mode; %%local runs a cell here)", file=sys.stderr)
         if self.session is None:
             self.session = self._hold_presses(Session())
             print(
@@ -332,4 +379,8 @@ class _ShownAround:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    ipython.register_magics(DistributedMagics)
+    from notebook_launcher.session.completion import install
+
+    magics = DistributedMagics(ipython)
+    ipython.register_magics(magics)
+    install(ipython, lambda: magics.session, lambda: magics.auto)

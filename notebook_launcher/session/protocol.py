@@ -86,7 +86,23 @@ class Debug:
     seq: int
 
 
-Command = Union[Execute, Call, Push, Pull, Regroup, Shutdown, Interrupt, Debug]
+@dataclasses.dataclass(frozen=True)
+class Complete:
+    """Completions of ``token`` in the rank's namespace (Tab in a rank cell)."""
+
+    seq: int
+    token: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Describe:
+    """Type, signature and docstring of ``name`` in the rank's namespace (Shift-Tab)."""
+
+    seq: int
+    name: str
+
+
+Command = Union[Execute, Call, Push, Pull, Regroup, Shutdown, Interrupt, Debug, Complete, Describe]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,12 +32,15 @@ from notebook_launcher.launcher.printer import TextPrinter
 from notebook_launcher.launcher.start_method import KernelState
 from notebook_launcher.session.capture import check_picklable
 from notebook_launcher.session.cell_failure import cell_error, rank_names
+from notebook_launcher.session.completion import merge
 from notebook_launcher.session.debugging import drive
 from notebook_launcher.session.interrupts import StopPresses
 from notebook_launcher.session.protocol import (
     Call,
     Command,
+    Complete,
     Debug,
+    Describe,
     Execute,
     Pull,
     Push,
@@ -334,6 +337,21 @@ class Session:
         if kind == "nothing":
             raise SessionError(text)
         _write(text)
+
+    def complete(self, token: str) -> list[tuple[str, str]]:
+        """Completions of ``token`` (``x``, ``model.lay``) from every rank's namespace, as
+        (text, type); a name only some ranks have says which."""
+        replies = self._roundtrip(self._all(), lambda seq: Complete(seq, token))
+        return merge([cloudpickle.loads(replies[r].value or cloudpickle.dumps([])) for r in self._all()])
+
+    def describe_name(self, name: str) -> str | None:
+        """Type, signature and docstring of ``name`` on the first rank that has it (None: none has)."""
+        replies = self._roundtrip(self._all(), lambda seq: Describe(seq, name))
+        for rank in self._all():
+            text = cloudpickle.loads(replies[rank].value or cloudpickle.dumps(None))
+            if text is not None:
+                return text if rank == 0 else f"(from rank {rank}; rank 0 has no {name})\n{text}"
+        return None
 
     def _look_at_all(self) -> dict[int, Snapshot | None]:
         ranks = self._ranks

@@ -29,11 +29,14 @@ import cloudpickle
 
 from notebook_launcher import rank_env
 from notebook_launcher.launcher import rank as rank_runner
+from notebook_launcher.session.completion import complete, describe
 from notebook_launcher.session.debugging import DebugPrompt, LastFailure, post_mortem
 from notebook_launcher.session.protocol import (
     Call,
     Command,
+    Complete,
     Debug,
+    Describe,
     Execute,
     Interrupt,
     Join,
@@ -251,6 +254,10 @@ class Worker:
         if isinstance(command, Regroup):
             self._regroup(command.generation)
             return None
+        if isinstance(command, Complete):
+            return cloudpickle.dumps(complete(self.namespace, command.token))
+        if isinstance(command, Describe):
+            return cloudpickle.dumps(describe(self.namespace, command.name))
         if isinstance(command, Debug):
             return cloudpickle.dumps(self._debug(command.seq))
         raise TypeError(f"unknown command {command!r}")
