@@ -98,7 +98,7 @@ def test_magic_lines_parse_into_commands():
 
 
 def test_a_wrong_magic_line_says_what_is_wrong_without_ending_the_kernel():
-    with pytest.raises(DistributedUsageError, match=r"%distributed needs a command: start, push, pull, show, status, where, debug, restart or stop"):
+    with pytest.raises(DistributedUsageError, match=r"%distributed needs a command: start, push, pull, show, status, where, debug, auto, restart or stop"):
         parse_line("")
     with pytest.raises(DistributedUsageError, match=r"invalid choice: 'launch'"):
         parse_line("launch")

@@ -12,10 +12,7 @@ import builtins
 import inspect
 import keyword
 import re
-from typing import TYPE_CHECKING, Any, Callable
-
-if TYPE_CHECKING:
-    from notebook_launcher.session.session import Session
+from typing import Any, Callable
 
 _DOTTED = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*\.?\Z")
 _TOKEN_BEFORE = re.compile(r"[A-Za-z_][\w.]*\Z")
@@ -135,7 +132,7 @@ def merge(per_rank: list[list[tuple[str, str]]]) -> list[tuple[str, str]]:
     return merged
 
 
-def install(shell: Any, session_of: Callable[[], Session | None], auto_of: Callable[[], bool]) -> None:
+def install(shell: Any, session_of: Callable[[], Any], auto_of: Callable[[], bool]) -> None:
     """Answer completion and inspection in rank cells from the ranks (IPython's matcher API for
     Tab; the kernel's inspect handler for Shift-Tab, which is not given the cell otherwise)."""
     from IPython.core.completer import SimpleCompletion, context_matcher

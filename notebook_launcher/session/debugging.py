@@ -14,12 +14,9 @@ import pdb
 import sys
 from multiprocessing.connection import Connection
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-from notebook_launcher.session.protocol import Interrupt, Reply
-
-if TYPE_CHECKING:
-    from notebook_launcher.session.ranks import SessionRanks
+from notebook_launcher.session.protocol import Interrupt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,22 +119,6 @@ def post_mortem(
 
 
 # The kernel's side ----------------------------------------------------------------------
-
-
-def drive(
-    ranks: SessionRanks, target: int, seq: int, read: Callable[[str], str], write: Callable[[str], None]
-) -> Reply | None:
-    """Pump the ranks' messages, answering pdb's prompts on ``target``, until its reply (None:
-    a rank ended meanwhile)."""
-    def ready() -> bool:
-        return (target, seq) in ranks.replies or (target, seq) in ranks.prompts
-
-    while (target, seq) not in ranks.replies:
-        ranks.pump(ready, timeout=None)
-        if ranks.any_ended():
-            return None
-        converse(ranks.prompts, target, seq, ranks.send, read, write)
-    return ranks.replies.pop((target, seq))
 
 
 def converse(

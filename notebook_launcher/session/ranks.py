@@ -25,7 +25,7 @@ from notebook_launcher.launcher.plan import LaunchPlan
 from notebook_launcher.launcher.rank_group import Rank, RankGroup, RankState
 from notebook_launcher.launcher.run import Emitter, rank_specs
 from notebook_launcher.launcher.store import RendezvousStore, bind_listener
-from notebook_launcher.session.debugging import DebugInput, DebugPrompt
+from notebook_launcher.session.debugging import DebugInput, DebugPrompt, converse
 from notebook_launcher.session.protocol import Command, Interrupt, Join, Ready, Reply
 from notebook_launcher.session.snapshot import Snapshot
 from notebook_launcher.session.worker import session_rank
@@ -132,6 +132,22 @@ class SessionRanks:
             rank: self.snapshots.get(rank) if self.answers.get(rank, 0) > before[rank] else None
             for rank in targets
         }
+
+    def debug(
+        self, target: int, seq: int, read: Callable[[str], str], write: Callable[[str], None]
+    ) -> Reply | None:
+        """Read the ranks' messages, answering pdb's prompts on ``target``, until its reply to
+        command ``seq`` (None: a rank ended meanwhile)."""
+
+        def ready() -> bool:
+            return (target, seq) in self.replies or (target, seq) in self.prompts
+
+        while (target, seq) not in self.replies:
+            self.pump(ready, timeout=None)
+            if self.any_ended():
+                return None
+            converse(self.prompts, target, seq, self.send, read, write)
+        return self.replies.pop((target, seq))
 
     def stop(self) -> None:
         """Ask every rank to end (from any thread: only signals and flags)."""

@@ -33,7 +33,6 @@ from notebook_launcher.launcher.start_method import KernelState
 from notebook_launcher.session.capture import check_picklable
 from notebook_launcher.session.cell_failure import cell_error, rank_names
 from notebook_launcher.session.completion import merge
-from notebook_launcher.session.debugging import drive
 from notebook_launcher.session.interrupts import StopPresses
 from notebook_launcher.session.protocol import (
     Call,
@@ -323,7 +322,7 @@ class Session:
         with ranks.pumping:
             ranks.send(target, Debug(seq))
             # input() looked up now: a kernel replaces it while a cell runs, to ask the notebook
-            reply = drive(ranks, target, seq, read or (lambda prompt: builtins.input(prompt)), _write)
+            reply = ranks.debug(target, seq, read or (lambda prompt: builtins.input(prompt)), _write)
             ranks.drain()
         if reply is None:
             self._end()
