@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import re
 
 import pytest
@@ -176,3 +177,27 @@ def test_auto_mode_runs_every_cell_on_the_ranks_until_off_and_local_cells_in_the
     run_ok(kernel, "%distributed auto off")
     assert kernel.run("rank").error["ename"] == "NameError"
     assert run_ok(kernel, "%%distributed\nrank").result == "[rank0]: 0\n[rank1]: 1"
+
+
+def test_html_a_figure_and_display_from_each_rank_show_as_rich_output_labelled_with_the_rank(kernel):
+    cell = run_ok(
+        kernel,
+        "%%distributed\n"
+        "import matplotlib.pyplot as plt\n"
+        "from IPython.display import HTML, Markdown\n"
+        "display(HTML(f'<b>rank {rank}</b><img src=x onerror=alert(1)>'))\n"
+        "display(Markdown(f'*{rank}*'))\n"
+        "line, = plt.plot([0, rank + 1])  # left open: shown when the cell ends\n",
+    )
+    shown = [m["content"] for m in cell.messages if m["msg_type"] == "display_data"]
+    labels = [c["data"] for c in shown if c["data"].get("text/plain", "").startswith("[rank")]
+    assert sorted(d["text/plain"] for d in labels) == ["[rank0]:"] * 3 + ["[rank1]:"] * 3
+    assert all(set(d) == {"text/plain"} for d in labels)  # a label is plain text only
+    rich = [c for c in shown if c["data"] not in labels]
+    by_rank = {r: [c["data"] for c in rich if c["metadata"]["notebook_launcher"]["rank"] == r] for r in (0, 1)}
+    for rank, bundles in by_rank.items():
+        assert bundles[0]["text/html"] == f"<b>rank {rank}</b><img src=x onerror=alert(1)>"  # as sent
+        assert bundles[1]["text/markdown"] == f"*{rank}*"
+        assert base64.b64decode(bundles[2]["image/png"]).startswith(b"\x89PNG")
+    shown_now = run_ok(kernel, "%%distributed\nimport matplotlib.pyplot as plt\nplt.get_fignums()")
+    assert shown_now.result == "[rank0]: []\n[rank1]: []"  # shown figures are closed

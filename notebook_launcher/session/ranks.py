@@ -27,6 +27,7 @@ from notebook_launcher.launcher.run import Emitter, rank_specs
 from notebook_launcher.launcher.store import RendezvousStore, bind_listener
 from notebook_launcher.session.debugging import DebugInput, DebugPrompt, converse
 from notebook_launcher.session.protocol import Command, Interrupt, Join, Ready, Reply
+from notebook_launcher.session.rich_output import RichOutput, show
 from notebook_launcher.session.snapshot import Snapshot
 from notebook_launcher.session.worker import session_rank
 
@@ -187,6 +188,8 @@ class SessionRanks:
                 self.snapshots[rank.rank] = message
                 self.answers[rank.rank] = self.answers.get(rank.rank, 0) + 1
                 self.answered.notify_all()
+        elif isinstance(message, RichOutput):
+            show(rank.rank, message)
         elif isinstance(message, DebugPrompt):
             self.prompts.setdefault((rank.rank, message.seq), []).append(message)
         elif isinstance(message, Ready):

@@ -29,6 +29,7 @@ import cloudpickle
 
 from notebook_launcher import rank_env
 from notebook_launcher.launcher import rank as rank_runner
+from notebook_launcher.session import rich_output
 from notebook_launcher.session.completion import complete, describe
 from notebook_launcher.session.debugging import DebugPrompt, LastFailure, post_mortem
 from notebook_launcher.session.protocol import (
@@ -112,6 +113,7 @@ class Worker:
         )
         self._group_sockets: set[tuple[int, int]] = set()  # (descriptor, inode)
         self._init_group(0)
+        rich_output.start(send)
         self.running: Running | None = None  # the command the main thread runs now
         self.cell_files: set[str] = set()  # the names cells run under (see run_cell)
         self.last_failure: LastFailure | None = None  # of the last cell (or call), for the debugger
@@ -208,6 +210,9 @@ class Worker:
                 group_broken=self.group_broken, owned=self._owned(),
             )
         finally:
+            if isinstance(command, Execute):
+                with contextlib.suppress(Exception):  # a figure that cannot be drawn
+                    rich_output.flush_figures()
             self.running = None
             _flush()
         return Reply(command.seq, value=value, group_broken=self.group_broken, owned=self._owned())
@@ -384,7 +389,7 @@ class _SignalWatch:
                 self._break_group()
 
 
-def send(message: Ready | Reply | Snapshot | DebugPrompt) -> None:
+def send(message: Ready | Reply | Snapshot | DebugPrompt | rich_output.RichOutput) -> None:
     """Over the launcher's rank -> kernel channel, which carries any picklable message."""
     rank_runner.send(message)  # type: ignore[arg-type]
 
