@@ -17,7 +17,13 @@ is not timed there: its failed cell hangs until interrupted.
 
 Needs ipyparallel (`pip install ipyparallel`; not a test dependency).
 
+With ``--peers-python PYTHON`` (a virtual environment of its own holding jupyter-distributed
+and nbdistributed, never the project's), only the kernels are compared: an empty cell on
+our session, on jupyter-distributed's SPMD kernel (2 ranks) and on nbdistributed
+(``%dist_init -n 2``), next to a plain kernel's empty cell, interleaved in one run.
+
     python benchmarks/bench_session.py [--cells 200] [--kernel-cells 100]
+    python benchmarks/bench_session.py --peers-python /tmp/bench-venv/bin/python [--kernel-cells 100]
 """
 
 from __future__ import annotations
@@ -229,6 +235,73 @@ def through_kernel(cells: int) -> None:
         with_timeout_shutdown(manager, client)
 
 
+def against_peers(peer_python: str, cells: int) -> None:
+    """An empty cell on our session against jupyter-distributed and nbdistributed, each in a
+    kernel of its own (the peers from their own environment), interleaved in one run."""
+    import json
+    import sys
+    import tempfile
+
+    from jupyter_client.manager import KernelManager
+
+    specs = {
+        "plain": ([sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"], {}),
+        "ours": ([sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"], {}),
+        "jupyter-distributed": (
+            [peer_python, "-m", "jupyter_distributed.kernel", "-f", "{connection_file}"],
+            {"JUPYTER_DISTRIBUTED_WORLD_SIZE": "2"},
+        ),
+        "nbdistributed": ([peer_python, "-m", "ipykernel_launcher", "-f", "{connection_file}"], {}),
+    }
+    setup = {
+        "plain": "pass",
+        "ours": "%load_ext notebook_launcher\n%distributed start -n 2 --hardware cpu",
+        "jupyter-distributed": "pass",
+        "nbdistributed": "%load_ext nbdistributed\n%dist_init -n 2",
+    }
+    cell = {"plain": "pass", "ours": "%%distributed\npass", "jupyter-distributed": "pass",
+            "nbdistributed": "%%distributed\npass"}
+    with tempfile.TemporaryDirectory() as home:
+        for name, (argv, env) in specs.items():
+            folder = os.path.join(home, "kernels", name)
+            os.makedirs(folder)
+            with open(os.path.join(folder, "kernel.json"), "w") as spec:
+                json.dump({"argv": argv, "env": env, "display_name": name, "language": "python"}, spec)
+        os.environ["JUPYTER_PATH"] = home
+        running = {}
+        try:
+            for name in specs:
+                manager = KernelManager(kernel_name=name)
+                manager.start_kernel()
+                client = manager.client()
+                client.start_channels()
+                client.wait_for_ready(timeout=300)
+                running[name] = (manager, client)
+                kernel_run(client, setup[name])
+            times = interleave(
+                {f"{name}: an empty cell": (lambda c=client, code=cell[name]: kernel_run(c, code))
+                 for name, (_, client) in running.items()},
+                cells,
+            )
+            report(f"an empty cell on 2 CPU ranks through a Jupyter kernel, {cells} cells each",
+                   times, "ours: an empty cell")
+        finally:
+            for manager, client in running.values():
+                with_timeout_shutdown(manager, client)
+
+
+def kernel_run(client: Any, code: str) -> None:
+    msg_id = client.execute(code)
+    while True:
+        message = client.get_iopub_msg(timeout=300)
+        if message["parent_header"].get("msg_id") != msg_id:
+            continue
+        if message["msg_type"] == "error":
+            raise RuntimeError("\n".join(message["content"]["traceback"]))
+        if message["msg_type"] == "status" and message["content"]["execution_state"] == "idle":
+            return
+
+
 def with_timeout_shutdown(manager: Any, client: Any) -> None:
     client.stop_channels()
     manager.shutdown_kernel(now=True)
@@ -238,9 +311,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="a cell on persistent ranks, side by side")
     parser.add_argument("--cells", type=int, default=200)
     parser.add_argument("--kernel-cells", type=int, default=100)
+    parser.add_argument("--peers-python", default=None,
+                        help="python of an environment with jupyter-distributed and nbdistributed")
     options = parser.parse_args()
     warnings.filterwarnings("ignore")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if options.peers_python:
+        against_peers(options.peers_python, options.kernel_cells)
+        return
     in_process(options.cells)
     through_kernel(options.kernel_cells)
 
