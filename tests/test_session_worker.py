@@ -138,3 +138,17 @@ def test_the_sealed_store_hides_names_and_values_and_refuses_a_forged_value():
 
 def _store_keys(store) -> list[str]:
     return list(store.list_keys())
+
+
+def test_a_status_line_shows_state_pid_memory_cpu_and_cuda_memory_on_gpu_ranks():
+    from notebook_launcher.session.snapshot import Snapshot, status_line, status_row, where_text
+
+    gpu = Snapshot(pid=7, running="cell 5", running_s=72.5, where="cell 5, line 2, in step",
+                   rss_bytes=3 * 2**30, cpu_percent=99.6, cuda_allocated_bytes=2**30, cuda_reserved_bytes=2 * 2**30)
+    assert status_line(status_row(1, gpu)) == (
+        "rank 1: running cell 5 for 1 min 12 s, pid 7, RSS 3.0 GiB, CPU 100%, CUDA 1.0 GiB allocated, 2.0 GiB reserved"
+    )
+    cpu = Snapshot(pid=8, running=None, running_s=None, where="", rss_bytes=512 * 2**20, cpu_percent=0.0)
+    assert status_line(status_row(0, cpu)) == "rank 0: idle, pid 8, RSS 512.0 MiB, CPU 0%"
+    assert status_line(status_row(2, None)) == "rank 2: not answering"
+    assert where_text(1, gpu) == "rank 1: cell 5, line 2, in step" and where_text(2, None) == "rank 2: did not answer"
