@@ -23,7 +23,15 @@ DOC_LINES = 12  # of a docstring shown by Shift-Tab
 
 
 def complete(namespace: dict[str, Any], token: str) -> list[tuple[str, str]]:
-    """Completions of ``token`` (``mod``, ``model.lay``) as (text, type name), sorted."""
+    """Completions of ``token`` (``mod``, ``model.lay``) as (text, type name), sorted; an
+    object whose ``dir()`` fails offers nothing (a completion must never fail a rank)."""
+    try:
+        return _complete(namespace, token)
+    except Exception:
+        return []
+
+
+def _complete(namespace: dict[str, Any], token: str) -> list[tuple[str, str]]:
     if not _DOTTED.match(token):
         return []
     base, _, prefix = token.rpartition(".")
@@ -49,6 +57,13 @@ def complete(namespace: dict[str, Any], token: str) -> list[tuple[str, str]]:
 
 def describe(namespace: dict[str, Any], name: str) -> str | None:
     """What Shift-Tab shows of ``name``: type, signature, docstring (None: not defined here)."""
+    try:
+        return _describe(namespace, name)
+    except Exception:
+        return None
+
+
+def _describe(namespace: dict[str, Any], name: str) -> str | None:
     if not _DOTTED.match(name) or name.endswith("."):
         return None
     found, value = _lookup(namespace, name)
@@ -144,7 +159,11 @@ def install(shell: Any, session_of: Callable[[], Any], auto_of: Callable[[], boo
             return {"completions": [], "suppress": False}
         found = _TOKEN_BEFORE.search(context.text_until_cursor)
         token = found.group(0) if found else ""
-        completions = [SimpleCompletion(text, type=kind) for text, kind in session.complete(token)]
+        try:
+            found_on_ranks = session.complete(token)
+        except Exception:  # the ranks went away meanwhile: the kernel's own completions
+            return {"completions": [], "suppress": False}
+        completions = [SimpleCompletion(text, type=kind) for text, kind in found_on_ranks]
         return {"completions": completions, "suppress": True, "matched_fragment": token}
 
     shell.Completer.custom_matchers.append(rank_names)
@@ -159,7 +178,10 @@ def install(shell: Any, session_of: Callable[[], Any], auto_of: Callable[[], boo
             return kernel_inspect(code, cursor_pos, detail_level, omit_sections)
         from IPython.utils.tokenutil import token_at_cursor
 
-        text = session.describe_name(token_at_cursor(code, cursor_pos))
+        try:
+            text = session.describe_name(token_at_cursor(code, cursor_pos))
+        except Exception:  # the ranks went away meanwhile: the kernel's own answer
+            return kernel_inspect(code, cursor_pos, detail_level, omit_sections)
         if text is None:
             return {"status": "ok", "found": False, "data": {}, "metadata": {}}
         return {"status": "ok", "found": True, "data": {"text/plain": text}, "metadata": {}}

@@ -105,7 +105,9 @@ class SessionRanks:
         while its main thread is blocked in C++."""
         for index in ranks:
             rank = self.group.ranks[index]
-            if rank.state == RankState.RUNNING and rank.pid is not None:
+            # Only a rank that said Ready has its answer set up: before that, SIGUSR1's
+            # default action would end it.
+            if rank.state == RankState.RUNNING and rank.pid is not None and index in self.ready:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(rank.pid, signal.SIGUSR1)
 
