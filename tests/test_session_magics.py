@@ -77,10 +77,12 @@ def test_push_and_pull(ip):
 
 def test_a_failing_cell_raises_the_ranks_error_with_the_cells_line_numbers(ip):
     with pytest.raises(ZeroDivisionError) as caught:
-        ip.run_cell_magic("distributed", "", "a = 1\nb = a / (rank - 1)\n")
+        # The barrier: rank 0 has ``a`` before rank 1 fails (a rank the failure's interrupt
+        # finds before it started the cell does not run it).
+        ip.run_cell_magic("distributed", "", "a = 1\ntorch.distributed.barrier()\nb = a / (rank - 1)\n")
     assert isinstance(caught.value, RankFailedError)
     assert str(caught.value).startswith("Rank 1 (pid ")
-    assert ", line 3, in <module>" in str(caught.value)  # line 1 is the %%distributed line
+    assert ", line 4, in <module>" in str(caught.value)  # line 1 is the %%distributed line
     assert ip.run_cell_magic("distributed", "", "a") == [1, 1]
 
 
