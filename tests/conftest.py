@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib
 import os
 import stat
 import sys
@@ -12,6 +13,10 @@ import psutil
 import pytest
 
 from notebook_launcher import hardware
+
+# torch's optimizers import torch._dynamo the first time one is built, seconds of CPU in
+# every rank; imported once here, the ranks forked from this process start with it.
+importlib.import_module("torch._dynamo")
 
 # Launches the tests make register in a private runtime dir: a test that stops "the running
 # launch" must never find a launch of the user's (or of another test session).
