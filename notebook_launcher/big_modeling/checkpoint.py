@@ -5,7 +5,9 @@ or a folder holding either."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,19 +82,57 @@ def read_file(path: Path) -> Iterator[CheckpointTensor]:
 
 
 def _read_safetensors(path: Path) -> Iterator[CheckpointTensor]:
-    from safetensors import safe_open
-
-    with safe_open(os.fspath(path), framework="pt", device="cpu") as f:
-        for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-            view = f.get_slice(name)
-            dtype = _SAFETENSORS_DTYPES.get(view.get_dtype())
-            if dtype is None:
-                tensor = f.get_tensor(name)
-                yield CheckpointTensor(name, tuple(tensor.shape), tensor.dtype, lambda t=tensor: t)
+    """The file is memory-mapped; each tensor is copied out when read, and its pages are then
+    dropped from this process (MADV_DONTNEED), so that a shard being read never counts in
+    full towards the memory held."""
+    with open(path, "rb") as f:
+        header_size = struct.unpack("<Q", f.read(8))[0]
+        try:
+            header = json.loads(f.read(header_size))
+        except ValueError as e:
+            raise CheckpointMismatchError(
+                f"checkpoint {os.fspath(path)!r} is not a safetensors file (its header does not "
+                "parse); pass a file written by safetensors, save_model or save_pretrained."
+            ) from e
+        start = 8 + header_size
+        if os.fstat(f.fileno()).st_size <= start:
+            return
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        for name, info in header.items():
+            if name == "__metadata__":
                 continue
+            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise CheckpointMismatchError(
+                    f"{name!r} in {os.fspath(path)!r} has dtype {info['dtype']}, which this loader "
+                    "does not read; convert the checkpoint to float32, float16 or bfloat16."
+                )
+            begin, end = (start + int(i) for i in info["data_offsets"])
             yield CheckpointTensor(
-                name, tuple(view.get_shape()), dtype, lambda f=f, name=name: f.get_tensor(name)
+                name, tuple(info["shape"]), dtype,
+                lambda b=begin, e=end, d=dtype, s=tuple(info["shape"]): _copy_out(mapped, b, e, d, s),
             )
+    finally:
+        mapped.close()
+
+
+def _copy_out(mapped: mmap.mmap, begin: int, end: int, dtype: torch.dtype,
+              shape: tuple[int, ...]) -> torch.Tensor:
+    if end == begin:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(mapped, dtype=torch.uint8, count=end - begin, offset=begin)
+    tensor = raw.clone().view(dtype).reshape(shape)
+    del raw
+    if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+        page = mmap.PAGESIZE
+        low = begin // page * page
+        high = -(-end // page) * page
+        try:
+            mapped.madvise(mmap.MADV_DONTNEED, low, min(high, len(mapped)) - low)
+        except (OSError, ValueError):
+            pass  # only a memory saving
+    return tensor
 
 
 def _read_torch(path: Path) -> Iterator[CheckpointTensor]:

@@ -41,6 +41,10 @@ class Block:
 class Fetched:
     tensors: dict[str, torch.Tensor]
     event: Any = None  # a CUDA event the copies recorded, waited on before use
+    buffers: list[torch.Tensor] = field(default_factory=list)  # read buffers, reused after the block
+
+
+_KEPT_BUFFERS = 3  # the block running, the one fetched ahead, and one spare
 
 
 def _move(value: Any, device: torch.device) -> Any:
@@ -93,6 +97,8 @@ class Runner:
         self._saved: dict[int, list[tuple[Slot, torch.Tensor | None]]] = {}
         self._lock = threading.Lock()
         self._streams: dict[torch.device, Any] = {}
+        self._free: list[tuple[torch.Tensor, Any]] = []  # (byte buffer, event of its last copy)
+        self._lent: dict[int, Fetched] = {}
         borrowing = [b for b in blocks if b.borrowed]
         for position, block in enumerate(borrowing):
             self._next[id(block)] = borrowing[(position + 1) % len(borrowing)]
@@ -112,7 +118,14 @@ class Runner:
     def _fetch(self, block: Block) -> Fetched:
         names_disk = [w.name for w in block.borrowed if w.name in block._disk]
         pin = block.device.type == "cuda"
-        tensors = self.state.disk.read(names_disk, pin=pin) if names_disk and self.state.disk else {}
+        used: list[torch.Tensor] = []
+
+        def buffer_for(count: int) -> torch.Tensor:
+            used.append(self._buffer(count, pin))
+            return used[-1]
+
+        tensors = (self.state.disk.read(names_disk, pin=pin, buffer_for=buffer_for)
+                   if names_disk and self.state.disk else {})
         for weight in block.borrowed:
             if weight.name in tensors:
                 continue
@@ -121,13 +134,32 @@ class Runner:
             else:  # lives on another device (a tie across devices)
                 tensors[weight.name] = current(weight)
         if block.device.type != "cuda":
-            return Fetched({n: t.to(block.device) for n, t in tensors.items()})
+            return Fetched({n: t.to(block.device) for n, t in tensors.items()}, None, used)
         stream = self._stream(block.device)
         with torch.cuda.stream(stream):
             moved = {n: t.to(block.device, non_blocking=True) for n, t in tensors.items()}
             event = torch.cuda.Event()
             event.record(stream)
-        return Fetched(moved, event)
+        return Fetched(moved, event, used)
+
+    def _buffer(self, count: int, pin: bool) -> torch.Tensor:
+        with self._lock:
+            for position, (buffer, event) in enumerate(self._free):
+                if buffer.numel() >= count:
+                    del self._free[position]
+                    if event is not None:
+                        event.synchronize()  # its last copy to the GPU has finished
+                    return buffer
+        return torch.empty(count, dtype=torch.uint8, pin_memory=pin)
+
+    def _give_back(self, fetched: Fetched) -> None:
+        # Only without autograd: a graph could still hold views of the weights read into them.
+        if not fetched.buffers or torch.is_grad_enabled():
+            return
+        with self._lock:
+            self._free.extend((b, fetched.event) for b in fetched.buffers)
+            self._free.sort(key=lambda item: -item[0].numel())
+            del self._free[_KEPT_BUFFERS:]
 
     def _stream(self, device: torch.device) -> Any:
         with self._lock:
@@ -181,6 +213,7 @@ class Runner:
                 saved.append((slot, table[slot.attr]))
                 table[slot.attr] = value  # type: ignore[assignment]
         self._saved[id(block)] = saved
+        self._lent[id(block)] = fetched
         following = self._next.get(id(block))
         if following is not None and following is not block:
             self._prefetch(following)
@@ -190,6 +223,9 @@ class Runner:
             for slot, previous in reversed(self._saved.pop(id(block), [])):
                 table = slot.module._parameters if slot.is_parameter else slot.module._buffers
                 table[slot.attr] = previous  # type: ignore[assignment]
+            fetched = self._lent.pop(id(block), None)
+            if fetched is not None:
+                self._give_back(fetched)
 
         return hook
 

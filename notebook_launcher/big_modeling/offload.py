@@ -7,6 +7,7 @@ import json
 import os
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,8 +120,13 @@ class DiskStore:
                 fds[file] = os.open(self.folder / file, os.O_RDWR if write else os.O_RDONLY)
             return fds[file]
 
-    def read(self, names: list[str], pin: bool = False) -> dict[str, torch.Tensor]:
-        """The tensors ``names``: whole files read in one call where a block owns them all."""
+    def read(self, names: list[str], pin: bool = False,
+             buffer_for: Callable[[int], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The tensors ``names``: whole files read in one call where a block owns them all.
+
+        ``buffer_for(nbytes)`` may hand out a reused byte buffer to read into: fresh memory
+        costs a page fault per page, every time.
+        """
         by_file: dict[str, list[str]] = {}
         for name in names:
             by_file.setdefault(self.placed[name].file, []).append(name)
@@ -128,7 +134,10 @@ class DiskStore:
         for file, wanted in by_file.items():
             start = min(self.placed[n].offset for n in wanted)
             end = max(self.placed[n].offset + self.placed[n].nbytes for n in wanted)
-            buffer = torch.empty(end - start, dtype=torch.uint8, pin_memory=pin)
+            if buffer_for is not None:
+                buffer = buffer_for(end - start)[: end - start]
+            else:
+                buffer = torch.empty(end - start, dtype=torch.uint8, pin_memory=pin)
             fd = self._fd(file, write=False)
             view = memoryview(buffer.numpy())
             got = 0
