@@ -18,6 +18,7 @@ float32) is saved as sharded safetensors with ``save_pretrained``. Then, for eac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -98,6 +99,8 @@ def prepare_forward_models(config: Any, checkpoint: Path, size: int, scratch: Pa
     from notebook_launcher import big_modeling as ours
 
     models: dict[str, Any] = {}
+    torch.manual_seed(0)
+    models["memory/plain"] = GPT2LMHeadModel.from_pretrained(checkpoint).eval()  # the floor: no offload
     for name, lib in (("ours", ours), ("accelerate", accelerate)):
         with lib.init_empty_weights():
             model = GPT2LMHeadModel(config).eval()
@@ -163,13 +166,15 @@ def main() -> None:
             print(f"{which:12} {figures['seconds'] * 1000:7.0f} ms {figures['peak_added'] / 2**20:11.1f} MiB")
         print(f"ratio ours/accelerate: time {loads['ours']['seconds'] / loads['accelerate']['seconds']:.2f}x, "
               f"peak {loads['ours']['peak_added'] / loads['accelerate']['peak_added']:.2f}x")
-        models = prepare_forward_models(config, checkpoint, size, scratch)
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):
+            models = prepare_forward_models(config, checkpoint, size, scratch)
         medians = time_forwards(models, arguments.rounds, arguments.seq, config.vocab_size)
         print(f"\nforward of 1 x {arguments.seq} tokens, medians of {arguments.rounds} interleaved rounds:")
         for kind, label in (("disk", "most of the model on disk"), ("cpu", "whole model CPU-offloaded")):
             ours_s, theirs = medians[f"{kind}/ours"], medians[f"{kind}/accelerate"]
             print(f"{label:28} ours {ours_s * 1000:7.1f} ms   accelerate {theirs * 1000:7.1f} ms   "
                   f"ratio {ours_s / theirs:.2f}x")
+        print(f"{'the model in memory (floor)':28} {medians['memory/plain'] * 1000:7.1f} ms")
 
 
 if __name__ == "__main__":

@@ -17,13 +17,17 @@ from notebook_launcher.big_modeling.dispatch import (
     remove_hooks,
 )
 from notebook_launcher.big_modeling.empty import init_empty_weights, init_on_device
+from notebook_launcher.big_modeling.estimate import MemoryEstimate, estimate_memory
 from notebook_launcher.big_modeling.loading import load_checkpoint_in_model
+from notebook_launcher.big_modeling.picture import show_device_map
 
 __all__ = [
     "DeviceMap",
+    "MemoryEstimate",
     "cpu_offload",
     "disk_offload",
     "dispatch_model",
+    "estimate_memory",
     "get_balanced_memory",
     "infer_auto_device_map",
     "init_empty_weights",
@@ -31,4 +35,5 @@ __all__ = [
     "load_checkpoint_and_dispatch",
     "load_checkpoint_in_model",
     "remove_hooks",
+    "show_device_map",
 ]

@@ -156,7 +156,10 @@ def _units(model: torch.nn.Module, name: str, module: torch.nn.Module) -> list[t
     """What a module splits into: its children, then its own tensors (as leaves)."""
     prefix = f"{name}." if name else ""
     units: list[tuple[str, torch.nn.Module | None]] = [(prefix + n, m) for n, m in module.named_children()]
-    units += [(prefix + n, None) for n, t in (*module._parameters.items(), *module._buffers.items()) if t is not None]
+    units += [(prefix + n, None) for n, t in module._parameters.items() if t is not None]
+    # Non-persistent buffers are in no checkpoint and never offloaded: they need no entry.
+    units += [(prefix + n, None) for n, t in module._buffers.items()
+              if t is not None and n not in module._non_persistent_buffers_set]
     return units
 
 
@@ -327,8 +330,10 @@ def resolve_device_map(model: torch.nn.Module, device_map: Mapping[str, Device],
                 f"{type(model).__name__}.{hint} Keys are names from model.named_modules()."
             )
         resolved[key] = normalize_device(device, f"device_map[{key!r}]")
-    uncovered = [w.name for w in weights.values()
-                 if not any(owns(key, slot.name) for key in resolved for slot in w.slots)]
+    # Non-persistent buffers (no checkpoint holds them) may be left out: they go with the
+    # device that runs the model's first blocks.
+    uncovered = [w.name for w in weights.values() if w.persistent
+                 and not any(owns(key, slot.name) for key in resolved for slot in w.slots)]
     if uncovered:
         more = f" and {len(uncovered) - 5} more" if len(uncovered) > 5 else ""
         raise DeviceMapError(
@@ -340,20 +345,15 @@ def resolve_device_map(model: torch.nn.Module, device_map: Mapping[str, Device],
     return resolved
 
 
-def home_of(name: str, device_map: Mapping[str, str]) -> str:
-    """The device of the most specific entry covering ``name``."""
-    best = None
+def home_of(name: str, device_map: Mapping[str, str]) -> str | None:
+    """The device of the most specific entry covering ``name`` (None: no entry does)."""
+    key = entry_of(name, device_map)
+    return None if key is None else device_map[key]
+
+
+def entry_of(name: str, device_map: Mapping[str, str]) -> str | None:
+    best: str | None = None
     for key in device_map:
         if owns(key, name) and (best is None or len(key) > len(best)):
             best = key
-    assert best is not None  # resolve_device_map checked the coverage
-    return device_map[best]
-
-
-def entry_of(name: str, device_map: Mapping[str, str]) -> str:
-    best = ""
-    found = False
-    for key in device_map:
-        if owns(key, name) and (not found or len(key) > len(best)):
-            best, found = key, True
     return best

@@ -104,6 +104,8 @@ def dispatch_model(
         state.disk.finish_writing()
     _attach(model, weights, resolved, placed, main, state)
     model.hf_device_map = dict(resolved)  # the attribute transformers and accelerate read
+    if isinstance(device_map, DeviceMap) and device_map.budgets:
+        model._big_model_plan = device_map  # its budgets, for show_device_map
     return model
 
 
@@ -149,6 +151,8 @@ def _attach(model: torch.nn.Module, weights: dict[str, Weight], device_map: Devi
     for weight in weights.values():
         for slot in weight.slots:
             entry = entry_of(slot.name, run_map)
+            if entry is None:
+                continue  # a non-persistent buffer left out of the map: it lives on the main device
             host = entry if entry in modules else (entry.rsplit(".", 1)[0] if "." in entry else "")
             block = blocks[host]
             home = placed[weight.name]

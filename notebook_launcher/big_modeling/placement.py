@@ -35,9 +35,9 @@ def homes(weights: Mapping[str, Weight], device_map: Mapping[str, str], main: st
     """
     result: dict[str, str] = {}
     for name, weight in weights.items():
-        devices = [home_of(slot.name, device_map) for slot in weight.slots]
+        devices = [d for d in (home_of(slot.name, device_map) for slot in weight.slots) if d is not None]
         if not weight.is_parameter and not weight.persistent:
-            result[name] = exec_device(devices[0], main)
+            result[name] = exec_device(devices[0], main) if devices else main
             continue
         best = min(devices, key=lambda d: (_ORDER.get(d, 0), d))
         if best == DISK:
@@ -55,7 +55,7 @@ def disk_blocks(weights: Mapping[str, Weight], device_map: Mapping[str, str],
     blocks: dict[str, list[str]] = {}
     for name, home in placed.items():
         if home == DISK:
-            blocks.setdefault(entry_of(weights[name].slots[0].name, device_map), []).append(name)
+            blocks.setdefault(entry_of(weights[name].slots[0].name, device_map) or "", []).append(name)
     return blocks
 
 
