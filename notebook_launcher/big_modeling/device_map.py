@@ -215,10 +215,14 @@ def infer_auto_device_map(
     biggest_name, biggest = largest_unsplittable(model, sizes, no_split)
     if compute and biggest > max(budgets[d] for d in compute):
         listed = ", ".join(f"{d}: {format_bytes(budgets[d])}" for d in compute)
+        owner = _module(model, biggest_name) if biggest_name in dict(model.named_modules()) else None
+        why = (f"or take {type(owner).__name__} out of no_split_module_classes"
+               if owner is not None and type(owner).__name__ in no_split
+               else "since a single layer or weight is never split")
         raise DeviceMapError(
             f"No device has room for the largest block that cannot be split, {biggest_name!r} "
             f"({format_bytes(biggest)}): the budgets are {listed}. Raise a budget above "
-            f"{format_bytes(biggest)}, or take its class out of no_split_module_classes."
+            f"{format_bytes(biggest)}, {why}."
         )
     gpu_total = sum(budgets[d] for d in compute if d.startswith("cuda:"))
     if devices[0].startswith("cuda:") and sizes[""] > gpu_total:

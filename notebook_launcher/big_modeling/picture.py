@@ -63,7 +63,7 @@ def plan_text(device_map: Any) -> str:
     all_rows = rows(device_map, getattr(device_map, "sizes", {}), getattr(device_map, "budgets", {}))
     largest = _largest(all_rows)
     total = sum(r.used for r in all_rows)
-    lines = [f"Device map: {len(device_map)} blocks, {format_bytes(total)} of weights (* the largest block)"]
+    lines = [f"Device map: {_count(len(device_map))}, {format_bytes(total)} of weights (* the largest block)"]
     width = max([len(r.device) for r in all_rows] + [4])
     for row in all_rows:
         scale = row.budget if row.budget else max(row.used, 1)
@@ -90,7 +90,7 @@ def plan_html(device_map: Any) -> str:
     parts = [
         '<div class="nl-device-map tex2jax_ignore mathjax_ignore" style="font-family:system-ui,'
         'sans-serif;font-size:13px;max-width:760px">',
-        f'<div style="margin-bottom:6px"><b>Device map</b>: {len(device_map)} blocks, '
+        f'<div style="margin-bottom:6px"><b>Device map</b>: {_count(len(device_map))}, '
         f"{esc(format_bytes(total))} of weights. &#9733; marks the largest block"
         f"{': <code>' + esc(_label(largest)) + '</code>' if largest is not None else ''}.</div>",
     ]
@@ -170,3 +170,7 @@ def _in_notebook() -> bool:
         return False
     shell = shell_module.get_ipython()  # type: ignore[attr-defined]
     return shell is not None and hasattr(shell, "kernel")
+
+
+def _count(blocks: int) -> str:
+    return f"{blocks} block" if blocks == 1 else f"{blocks} blocks"
