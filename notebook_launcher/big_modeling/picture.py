@@ -156,9 +156,10 @@ def show_device_map(model_or_map: Any) -> Any:
             f"show_device_map() takes a model or a device map, not a {type(model_or_map).__name__}."
         )
     if _in_notebook():
-        from IPython.display import HTML, display
+        from IPython.display import display
 
-        display(HTML(plan._repr_html_()), metadata={"text/plain": plan.describe()})
+        # Both forms: the text is what a saved notebook shows where HTML is not rendered.
+        display({"text/html": plan._repr_html_(), "text/plain": plan.describe()}, raw=True)
     else:
         print(plan.describe())
     return None
