@@ -19,7 +19,7 @@ from notebook_launcher.big_modeling.dispatch import (
 from notebook_launcher.big_modeling.empty import init_empty_weights, init_on_device
 from notebook_launcher.big_modeling.estimate import MemoryEstimate, estimate_memory
 from notebook_launcher.big_modeling.loading import load_checkpoint_in_model
-from notebook_launcher.big_modeling.picture import show_device_map
+from notebook_launcher.big_modeling.show import show_device_map
 
 __all__ = [
     "DeviceMap",

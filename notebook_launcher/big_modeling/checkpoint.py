@@ -4,6 +4,7 @@ or a folder holding either."""
 
 from __future__ import annotations
 
+import functools
 import json
 import mmap
 import os
@@ -109,10 +110,8 @@ def _read_safetensors(path: Path) -> Iterator[CheckpointTensor]:
                     "does not read; convert the checkpoint to float32, float16 or bfloat16."
                 )
             begin, end = (start + int(i) for i in info["data_offsets"])
-            yield CheckpointTensor(
-                name, tuple(info["shape"]), dtype,
-                lambda b=begin, e=end, d=dtype, s=tuple(info["shape"]): _copy_out(mapped, b, e, d, s),
-            )
+            shape = tuple(int(n) for n in info["shape"])
+            yield CheckpointTensor(name, shape, dtype, functools.partial(_copy_out, mapped, begin, end, dtype, shape))
     finally:
         mapped.close()
 
@@ -151,8 +150,12 @@ def _read_torch(path: Path) -> Iterator[CheckpointTensor]:
     for name in list(state):
         tensor = state.pop(name)
         if isinstance(tensor, torch.Tensor):
-            yield CheckpointTensor(name, tuple(tensor.shape), tensor.dtype, lambda t=tensor: t)
+            yield CheckpointTensor(name, tuple(tensor.shape), tensor.dtype, functools.partial(_itself, tensor))
         del tensor
+
+
+def _itself(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 _SAFETENSORS_DTYPES = {

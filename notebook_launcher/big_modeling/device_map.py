@@ -25,7 +25,7 @@ from notebook_launcher.errors import DeviceMapError
 Device = Union[int, str, torch.device]
 
 
-class DeviceMap(OrderedDict):  # type: ignore[type-arg]
+class DeviceMap(OrderedDict):
     """A device map (module name -> device) that remembers the sizes and budgets it was made
     from, so that it draws itself in a notebook (``_repr_html_``) and prints as a plan."""
 

@@ -20,7 +20,11 @@ from notebook_launcher.big_modeling.device_map import (
     resolve_device_map,
 )
 from notebook_launcher.big_modeling.hooks import Block, Runner
-from notebook_launcher.big_modeling.loading import STATE_ATTRIBUTE, attach_state, load_checkpoint_in_model
+from notebook_launcher.big_modeling.loading import (
+    STATE_ATTRIBUTE,
+    attach_state,
+    load_checkpoint_in_model,
+)
 from notebook_launcher.big_modeling.offload import DiskStore, check_writable
 from notebook_launcher.big_modeling.placement import (
     CPU_STORE,
@@ -103,9 +107,9 @@ def dispatch_model(
     if state.disk is not None and pending:
         state.disk.finish_writing()
     _attach(model, weights, resolved, placed, main, state)
-    model.hf_device_map = dict(resolved)  # the attribute transformers and accelerate read
+    setattr(model, "hf_device_map", dict(resolved))  # noqa: B010 - the attribute transformers and accelerate read
     if isinstance(device_map, DeviceMap) and device_map.budgets:
-        model._big_model_plan = device_map  # its budgets, for show_device_map
+        setattr(model, "_big_model_plan", device_map)  # noqa: B010 - its budgets, for show_device_map
     return model
 
 
@@ -222,8 +226,7 @@ def cpu_offload(
     """Keep every weight in CPU memory and run each block on ``execution_device`` (a GPU, by
     default the one the model is on), its weights copied in one block ahead of use."""
     device = _execution_device(model, execution_device)
-    place = "cpu" if device == "cpu" else "cpu"
-    device_map = {unit: place for unit in _offload_units(model)}
+    device_map = dict.fromkeys(_offload_units(model), "cpu")
     weights = model_weights(model)
     resolved = resolve_device_map(model, device_map, weights)
     placed = {n: CPU_STORE if w.is_parameter or w.persistent else device for n, w in weights.items()}
@@ -239,7 +242,7 @@ def cpu_offload(
             install(weight, tensor.to(device))
     _check_loaded(model, weights, placed, state, {})
     _attach(model, weights, resolved, placed, device, state)
-    model.hf_device_map = dict(resolved)
+    setattr(model, "hf_device_map", dict(resolved))  # noqa: B010
     return model
 
 
@@ -296,7 +299,7 @@ def load_checkpoint_and_dispatch(
                 f"device_map={device_map!r} is not a strategy; pass one of {', '.join(map(repr, _STRATEGIES))} "
                 "or a dict of module name -> device."
             )
-        budgets: Mapping[Device, Size] | None = max_memory
+        budgets: Mapping[Any, Any] | None = max_memory
         if device_map != "sequential":
             budgets = dict(get_balanced_memory(model, max_memory, no_split_module_classes, dtype,
                                                low_zero=device_map == "balanced_low_0"))

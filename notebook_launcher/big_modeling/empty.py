@@ -44,7 +44,7 @@ def init_on_device(device: torch.device | str, include_buffers: bool | None = No
             moved.__dict__.update(extra)
             module._parameters[name] = moved
 
-    torch.nn.Module.register_parameter = on_device  # type: ignore[method-assign]
+    torch.nn.Module.register_parameter = on_device  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:

@@ -224,7 +224,7 @@ def _as_model(model_or_config: Any) -> torch.nn.Module:
     with init_empty_weights():
         for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM, transformers.AutoModel):
             try:
-                return auto.from_config(config)  # type: ignore[no-any-return]
+                return auto.from_config(config)
             except ValueError:
                 continue
     raise BigModelError(f"estimate_memory(): transformers has no model class for {type(config).__name__}.")
@@ -246,13 +246,13 @@ def _lora_targets(model: torch.nn.Module, targets: Sequence[str] | str | None) -
     output = getattr(model, "get_output_embeddings", lambda: None)()
     found: dict[str, tuple[int, int]] = {}
     every_linear = targets is None or targets == "all-linear"
-    wanted = [] if every_linear else ([targets] if isinstance(targets, str) else list(targets))
+    wanted = [] if every_linear else ([targets] if isinstance(targets, str) else list(targets or []))
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or module is output:
             continue
         linear = isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
-        if every_linear and linear or any(
+        if (every_linear and linear) or any(
             name == t or name.endswith("." + t) or re.fullmatch(t, name) for t in wanted
         ):
             found[name] = (int(weight.shape[0]), int(weight.shape[1]))
@@ -327,10 +327,10 @@ def _trace(model: torch.nn.Module, params: Mapping[str, Any], dtype: torch.dtype
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         output = functional_call(model, meta, args, kwargs, tie_weights=False, strict=False)
-    loss = getattr(output, "loss", None)
-    logits = getattr(output, "logits", output if isinstance(output, torch.Tensor) else None)
+    results: list[Any] = [getattr(output, "loss", None),
+                          getattr(output, "logits", output if isinstance(output, torch.Tensor) else None)]
     outputs = 0
-    for tensor in (loss, logits):
+    for tensor in results:
         if isinstance(tensor, torch.Tensor) and tensor.untyped_storage()._cdata not in kept:
             outputs += tensor.untyped_storage().nbytes()
     return sum(kept.values()) + outputs

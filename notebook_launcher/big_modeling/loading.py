@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping
+
 import torch
 
 from notebook_launcher.big_modeling.checkpoint import checkpoint_files, read_file
@@ -26,7 +27,13 @@ from notebook_launcher.big_modeling.placement import (
     main_device,
     to_meta,
 )
-from notebook_launcher.big_modeling.sizes import Weight, alias_table, model_weights, resolve_dtype, target_dtype
+from notebook_launcher.big_modeling.sizes import (
+    Weight,
+    alias_table,
+    model_weights,
+    resolve_dtype,
+    target_dtype,
+)
 from notebook_launcher.errors import CheckpointMismatchError
 
 STATE_ATTRIBUTE = "_big_model_offload"

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -91,7 +92,7 @@ class DiskStore:
         data = tensor.detach().to("cpu", place.dtype).contiguous()
         raw = data.view(torch.uint8).reshape(-1).numpy() if data.numel() else b""
         fd = self._fd(place.file, write=True)
-        written = os.pwrite(fd, memoryview(raw) if len(raw) else b"", place.offset)
+        written = os.pwrite(fd, cast(Any, raw) if len(raw) else b"", place.offset)
         if written != place.nbytes:
             raise OffloadFolderError(
                 f"offload_folder={os.fspath(self.folder)!r}: wrote {written} of {place.nbytes} "
@@ -139,7 +140,7 @@ class DiskStore:
             else:
                 buffer = torch.empty(end - start, dtype=torch.uint8, pin_memory=pin)
             fd = self._fd(file, write=False)
-            view = memoryview(buffer.numpy())
+            view = memoryview(cast(Any, buffer.numpy()))
             got = 0
             while got < len(view):
                 count = os.preadv(fd, [view[got:]], start + got)

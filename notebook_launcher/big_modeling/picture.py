@@ -5,12 +5,9 @@ escaped (and kept from MathJax), so a name with ``<img onerror>`` or ``$`` shows
 from __future__ import annotations
 
 import html
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from notebook_launcher.big_modeling.sizes import format_bytes
 
@@ -129,48 +126,6 @@ def _escape(text: str) -> str:
     # html.escape for markup; "$" as an entity too, and the tex2jax_ignore class on the
     # container, so that a "$" in a module name is never typeset as mathematics.
     return html.escape(_printable(text), quote=True).replace("$", "&#36;")
-
-
-def show_device_map(model_or_map: Any) -> Any:
-    """Draw where each block of a dispatched model (or a device map) lives: in a notebook
-    as bars, in a script as text. Returns the :class:`DeviceMap` drawn."""
-    from notebook_launcher.big_modeling.device_map import DeviceMap, module_sizes
-
-    plan: DeviceMap
-    if isinstance(model_or_map, torch.nn.Module):
-        saved = getattr(model_or_map, "_big_model_plan", None)
-        mapping = getattr(model_or_map, "hf_device_map", None)
-        if mapping is None:
-            first = next(iter(model_or_map.parameters()), None)
-            mapping = {"": str(first.device) if first is not None else "cpu"}
-        budgets = getattr(saved, "budgets", {}) if saved is not None else {}
-        plan = DeviceMap(mapping, sizes=module_sizes(model_or_map), budgets=budgets)
-    elif isinstance(model_or_map, DeviceMap):
-        plan = model_or_map
-    elif isinstance(model_or_map, Mapping):
-        plan = DeviceMap(model_or_map)
-    else:
-        from notebook_launcher.errors import DeviceMapError
-
-        raise DeviceMapError(
-            f"show_device_map() takes a model or a device map, not a {type(model_or_map).__name__}."
-        )
-    if _in_notebook():
-        from IPython.display import display
-
-        # Both forms: the text is what a saved notebook shows where HTML is not rendered.
-        display({"text/html": plan._repr_html_(), "text/plain": plan.describe()}, raw=True)
-    else:
-        print(plan.describe())
-    return None
-
-
-def _in_notebook() -> bool:
-    shell_module = sys.modules.get("IPython")
-    if shell_module is None:
-        return False
-    shell = shell_module.get_ipython()  # type: ignore[attr-defined]
-    return shell is not None and hasattr(shell, "kernel")
 
 
 def _count(blocks: int) -> str:
