@@ -303,3 +303,46 @@ def test_peak_memory_stays_within_budget_plus_a_shard_and_blocks(tmp_path):
     # Budget, one shard being read, the block running and the one fetched ahead, plus the
     # allocator's slack; the whole model would add 100 MB.
     assert result["added"] < budget + shard + 2 * block + 16e6, result
+
+
+def test_disk_blocks_are_read_ahead_on_the_side_thread_into_reused_buffers(reference, tmp_path):
+    model = empty_model()
+    bm.load_checkpoint_and_dispatch(model, reference["root"] / "sharded", device_map=CPU_AND_DISK,
+                                    offload_folder=tmp_path)
+    runner = model._big_model_runner
+    store = runner.state.disk
+    reads: list[tuple[str, tuple[str, ...]]] = []
+    read = store.read
+
+    def recording(names, pin=False, buffer_for=None):
+        reads.append((threading.current_thread().name, tuple(names)))
+        return read(names, pin=pin, buffer_for=buffer_for)
+
+    store.read = recording
+    allocated = []
+    make = runner._buffer
+
+    def counting(count, pin):
+        buffer = make(count, pin)
+        allocated.append(id(buffer))
+        return buffer
+
+    runner._buffer = counting
+    with torch.no_grad():
+        for _ in range(4):
+            assert torch.equal(model(IDS), reference["expected"])
+    # The first forward reads blocks.2 itself; every later read is made ahead, on the side
+    # thread, including blocks.2 for the next forward (the order was learned, and wraps).
+    assert reads[0][0] == threading.main_thread().name and reads[0][1][0].startswith("blocks.2.")
+    assert all(name.startswith("big-model-prefetch") for name, _ in reads[1:])
+    # Four disk blocks, once each per forward, and blocks.2 once more, ahead of a fifth forward.
+    assert len(reads) == 4 * 4 + 1 and reads[-1][1] == reads[0][1]
+    assert len(set(allocated)) <= 3  # the running block, the one ahead, one spare
+
+
+def test_big_model_names_come_from_the_package_too():
+    import notebook_launcher
+
+    assert notebook_launcher.load_checkpoint_and_dispatch is bm.load_checkpoint_and_dispatch
+    assert notebook_launcher.estimate_memory is bm.estimate_memory
+    assert {"init_empty_weights", "show_device_map", "cpu_offload"} <= set(notebook_launcher.__all__)

@@ -181,30 +181,28 @@ def remove_hooks(model: torch.nn.Module) -> None:
 
 def _offload_units(model: torch.nn.Module, root: str = "") -> list[str]:
     """Blocks to borrow one at a time: the entries of module lists (a transformer's layers),
-    and any other module holding more than a quarter of the model, split into its children
-    (a transformers model's ``_no_split_modules`` classes are never split)."""
+    and any module holding more than a quarter of the model split into its children; a
+    transformers model's ``_no_split_modules`` classes are never split."""
     sizes = module_sizes(model)
-    top = model.get_submodule(root) if root else model
-    total = max(sizes.get(root, 0), 1)
+    total = max(sizes.get("", 0), 1)
     keep_whole = set(getattr(model, "_no_split_modules", None) or [])
-    if type(top).__name__ in keep_whole or not any(True for _ in top.children()):
-        return [root]
-    prefix = f"{root}." if root else ""
-    units: list[str] = []
-    queue = [(prefix + n, m) for n, m in top.named_children()]
-    while queue:
-        name, module = queue.pop(0)
+
+    def units(name: str, module: torch.nn.Module) -> list[str]:
         children = list(module.named_children())
         own = any(t is not None for t in (*module._parameters.values(), *module._buffers.values()))
-        container = isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict))
-        if children and not own and type(module).__name__ not in keep_whole and (
+        container = isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential))
+        if not children or own or type(module).__name__ in keep_whole or not (
             container or sizes.get(name, 0) > total / 4
         ):
-            queue[:0] = [(f"{name}.{n}", m) for n, m in children]
-        else:
-            units.append(name)
-    direct = [prefix + n for n, t in (*top._parameters.items(), *top._buffers.items()) if t is not None]
-    return units + direct if units or direct else [root]
+            return [name]
+        prefix = f"{name}." if name else ""
+        return [unit for child, sub in children for unit in units(prefix + child, sub)]
+
+    if not root:
+        found = [u for n, m in model.named_children() for u in units(n, m)]
+        direct = [n for n, t in (*model._parameters.items(), *model._buffers.items()) if t is not None]
+        return found + direct if found or direct else [""]
+    return units(root, model.get_submodule(root))
 
 
 def _execution_device(model: torch.nn.Module, execution_device: Device | None) -> str:
