@@ -346,3 +346,11 @@ def test_big_model_names_come_from_the_package_too():
     assert notebook_launcher.load_checkpoint_and_dispatch is bm.load_checkpoint_and_dispatch
     assert notebook_launcher.estimate_memory is bm.estimate_memory
     assert {"init_empty_weights", "show_device_map", "cpu_offload"} <= set(notebook_launcher.__all__)
+
+
+def test_the_command_line_does_not_import_torch_to_register_estimate_memory():
+    code = ("import sys; from notebook_launcher import cli; cli.build_parser(); "
+            "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    assert done.stdout.strip() == "False", done.stderr
