@@ -43,6 +43,21 @@ _TRAINING_CORE = {
     "set_seed",
 }
 
+# Big-model inference (torch, and safetensors on first load); loaded on first use too.
+_BIG_MODELING = {
+    "cpu_offload",
+    "disk_offload",
+    "dispatch_model",
+    "estimate_memory",
+    "get_balanced_memory",
+    "infer_auto_device_map",
+    "init_empty_weights",
+    "init_on_device",
+    "load_checkpoint_and_dispatch",
+    "load_checkpoint_in_model",
+    "show_device_map",
+}
+
 
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext notebook_launcher``: the ``%distributed`` magics (IPython imported only now)."""
@@ -56,6 +71,10 @@ def __getattr__(name: str) -> Any:
         from notebook_launcher import accelerator
 
         return getattr(accelerator, name)
+    if name in _BIG_MODELING:
+        from notebook_launcher import big_modeling
+
+        return getattr(big_modeling, name)
     raise AttributeError(f"module 'notebook_launcher' has no attribute {name!r}")
 
 
@@ -81,8 +100,19 @@ __all__ = [
     "SessionError",
     "__version__",
     "configure",
+    "cpu_offload",
     "debug_launcher",
+    "disk_offload",
+    "dispatch_model",
+    "estimate_memory",
+    "get_balanced_memory",
+    "infer_auto_device_map",
+    "init_empty_weights",
+    "init_on_device",
     "launches",
+    "load_checkpoint_and_dispatch",
+    "load_checkpoint_in_model",
     "notebook_launcher",
     "set_seed",
+    "show_device_map",
 ]

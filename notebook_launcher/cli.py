@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     env.add_argument("--json", action="store_true", help="print the report as JSON")
 
+    from notebook_launcher.big_modeling import command as big_model_command
+
+    big_model_command.add_parser(commands)
+
     run = commands.add_parser(
         "run",
         help="run a Python script on N ranks with the launcher",
@@ -208,6 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         arguments.script_args = script_args
         if arguments.command == "env":
             return _env(as_json=arguments.json)
+        if arguments.command == "estimate-memory":
+            from notebook_launcher.big_modeling import command as big_model_command
+
+            return big_model_command.run(arguments)
         return _run(arguments)
     except _UsageError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)

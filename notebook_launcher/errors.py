@@ -266,3 +266,19 @@ class CheckpointError(AcceleratorError, ValueError):
 
 class TrackerError(AcceleratorError, ValueError):
     """An experiment tracker named in ``log_with`` is unknown or cannot be used."""
+
+
+class BigModelError(AcceleratorError, ValueError):
+    """Base of the errors of big-model loading: a device map, budget or checkpoint that cannot work."""
+
+
+class DeviceMapError(BigModelError):
+    """A device map (or the budgets it was made from) names what does not exist or cannot hold the model."""
+
+
+class CheckpointMismatchError(BigModelError):
+    """A checkpoint and the model disagree: a weight missing, an unexpected key, another shape."""
+
+
+class OffloadFolderError(BigModelError, OSError):
+    """Weights must go to disk, and the offload folder is missing or cannot be written."""

@@ -78,3 +78,18 @@ def test_session_notebook_teaches_cell_by_cell_on_two_ranks():
     assert "raised ValueError: rank 1 found a bad batch" in errors[0].evalue
     assert ", line 3, in <module>" in errors[0].evalue
     assert "[rank0]: rank 0 still has its model (Linear) and all_reduce works: 2" in outputs
+
+
+def test_big_model_notebook_runs_a_model_larger_than_its_budget_and_draws_the_plan():
+    notebook = execute("05_big_model_inference.ipynb")
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    outputs = "\n".join(streams(notebook))
+    assert "weights on meta" in outputs
+    assert "same logits as the whole model: True" in outputs and "same tokens: True" in outputs
+    assert "lm head still tied: True" in outputs
+    plan = next(o for o in code[2].outputs if o.output_type == "execute_result")
+    assert "nl-device-map" in plan.data["text/html"] and "&#9733;" in plan.data["text/html"]
+    drawn = next(o for o in code[3].outputs if o.output_type == "display_data")
+    assert "disk" in drawn.data["text/html"] and drawn.data["text/plain"].startswith("Device map:")
+    assert "activations (traced)" in outputs
+    assert not [o for cell in code for o in cell.outputs if o.output_type == "error"]

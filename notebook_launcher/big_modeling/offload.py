@@ -1,0 +1,164 @@
+"""Where offloaded weights wait between forwards: in CPU memory, or in one file per block on
+disk, laid out so that a whole block comes back in one read."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from notebook_launcher.big_modeling.sizes import nbytes
+from notebook_launcher.errors import OffloadFolderError
+
+_ALIGN = 64  # every tensor starts on a 64-byte boundary, so a byte buffer views as any dtype
+INDEX = "offload-index.json"
+
+
+@dataclass
+class Placed:
+    """Where one offloaded tensor lies in its block's file."""
+
+    file: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.shape, self.dtype)
+
+
+def check_writable(folder: str | os.PathLike[str] | None, needed_by: str) -> Path:
+    if folder is None:
+        raise OffloadFolderError(
+            f"{needed_by} sends weights to the disk, and no offload_folder was given; pass "
+            "offload_folder='some/folder' (it is created), or raise max_memory so that "
+            "everything fits in memory."
+        )
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"0")
+        probe.unlink()
+    except OSError as e:
+        raise OffloadFolderError(
+            f"offload_folder={os.fspath(path)!r} cannot be written ({e.strerror or e}); pass a "
+            "folder this process may create files in, on a disk with room for the offloaded weights."
+        ) from e
+    return path
+
+
+class DiskStore:
+    """Offloaded weights in ``folder``: one file per block, tensors back to back."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.placed: dict[str, Placed] = {}
+        self.file_sizes: dict[str, int] = {}
+        self.written: set[str] = set()
+        self._write_fds: dict[str, int] = {}
+        self._read_fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def plan(self, block: str, tensors: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        """Reserve room for a block's tensors (name, shape, dtype) in a file of its own."""
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", block or "model")[:80]
+        file = f"{len(self.file_sizes):05d}-{safe}.bin"
+        offset = 0
+        for name, shape, dtype in tensors:
+            self.placed[name] = Placed(file, offset, shape, dtype)
+            offset += -(-nbytes(shape, dtype) // _ALIGN) * _ALIGN
+        self.file_sizes[file] = offset
+        path = self.folder / file
+        try:
+            with open(path, "wb") as f:
+                f.truncate(offset)
+        except OSError as e:
+            raise OffloadFolderError(
+                f"offload_folder={os.fspath(self.folder)!r}: cannot create {file!r} ({e.strerror or e}); "
+                "free some room or pass another folder."
+            ) from e
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        place = self.placed[name]
+        data = tensor.detach().to("cpu", place.dtype).contiguous()
+        raw = data.view(torch.uint8).reshape(-1).numpy() if data.numel() else b""
+        fd = self._fd(place.file, write=True)
+        written = os.pwrite(fd, cast(Any, raw) if len(raw) else b"", place.offset)
+        if written != place.nbytes:
+            raise OffloadFolderError(
+                f"offload_folder={os.fspath(self.folder)!r}: wrote {written} of {place.nbytes} "
+                f"bytes of {name!r}; the disk may be full."
+            )
+        self.written.add(name)
+
+    def finish_writing(self) -> None:
+        """Close the files being written and record the layout beside them."""
+        with self._lock:
+            for fd in self._write_fds.values():
+                os.close(fd)
+            self._write_fds.clear()
+        index = {
+            name: {"file": p.file, "offset": p.offset, "shape": list(p.shape), "dtype": str(p.dtype)}
+            for name, p in self.placed.items()
+        }
+        with open(self.folder / INDEX, "w") as f:
+            json.dump(index, f, indent=1)
+
+    def _fd(self, file: str, write: bool) -> int:
+        # Shared by the prefetch thread and the caller; pread/pwrite need no shared position.
+        with self._lock:
+            fds = self._write_fds if write else self._read_fds
+            if file not in fds:
+                fds[file] = os.open(self.folder / file, os.O_RDWR if write else os.O_RDONLY)
+            return fds[file]
+
+    def read(self, names: list[str], pin: bool = False,
+             buffer_for: Callable[[int], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The tensors ``names``: whole files read in one call where a block owns them all.
+
+        ``buffer_for(nbytes)`` may hand out a reused byte buffer to read into: fresh memory
+        costs a page fault per page, every time.
+        """
+        by_file: dict[str, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.placed[name].file, []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        for file, wanted in by_file.items():
+            start = min(self.placed[n].offset for n in wanted)
+            end = max(self.placed[n].offset + self.placed[n].nbytes for n in wanted)
+            if buffer_for is not None:
+                buffer = buffer_for(end - start)[: end - start]
+            else:
+                buffer = torch.empty(end - start, dtype=torch.uint8, pin_memory=pin)
+            fd = self._fd(file, write=False)
+            view = memoryview(cast(Any, buffer.numpy()))
+            got = 0
+            while got < len(view):
+                count = os.preadv(fd, [view[got:]], start + got)
+                if count <= 0:
+                    raise OffloadFolderError(
+                        f"offload file {os.fspath(self.folder / file)!r} is shorter than expected; "
+                        "it was changed or removed while the model used it. Load the model again."
+                    )
+                got += count
+            for name in wanted:
+                place = self.placed[name]
+                piece = buffer[place.offset - start : place.offset - start + place.nbytes]
+                out[name] = piece.view(place.dtype).view(place.shape) if place.nbytes else torch.empty(place.shape, dtype=place.dtype)
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in (*self._write_fds.values(), *self._read_fds.values()):
+                os.close(fd)
+            self._write_fds.clear()
+            self._read_fds.clear()

@@ -1,0 +1,141 @@
+"""Budgets ("40MB", "2GiB", bytes), dtypes, and what each weight of a model weighs."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Union
+
+import torch
+
+from notebook_launcher.errors import BigModelError
+
+Size = Union[int, str]
+_UNITS = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float64": torch.float64, "fp64": torch.float64,
+}
+
+
+def parse_budget(size: Size, what: str = "budget") -> int:
+    """Bytes in ``size``: an int, or "40MB", "2GiB" (MB = 10**6 bytes, MiB = 2**20)."""
+    if isinstance(size, bool):
+        raise BigModelError(f"{what}={size!r} is not a size; pass bytes or a string such as '40MB' or '2GiB'.")
+    if isinstance(size, int):
+        if size < 0:
+            raise BigModelError(f"{what}={size} is negative; pass a number of bytes of at least 0.")
+        return size
+    if isinstance(size, float) and size >= 0:
+        return int(size)
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size), re.IGNORECASE)
+    if match is None:
+        raise BigModelError(
+            f"{what}={size!r} is not a size; pass a number of bytes or a string such as "
+            "'40MB', '500MiB' or '2GiB'."
+        )
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+
+
+def format_bytes(count: float) -> str:
+    """1536 -> '1.5 KiB'; what the plan and the estimates print."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"  # pragma: no cover - the loop always returns
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).replace("torch.", "")
+    if name not in _DTYPES:
+        raise BigModelError(
+            f"dtype={dtype!r} is not a floating dtype this knows; pass a torch dtype or one of "
+            f"{sorted(_DTYPES)}."
+        )
+    return _DTYPES[name]
+
+
+def target_dtype(tensor_dtype: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """Floating weights take ``dtype`` when given; integer and bool tensors keep theirs."""
+    return dtype if dtype is not None and tensor_dtype.is_floating_point else tensor_dtype
+
+
+def nbytes(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> int:
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    return count * dtype.itemsize
+
+
+@dataclass
+class Slot:
+    """One place a tensor sits in the model: ``module.<attr>`` (a parameter or a buffer)."""
+
+    name: str
+    module: torch.nn.Module
+    attr: str
+    is_parameter: bool
+    persistent: bool
+
+
+@dataclass
+class Weight:
+    """One tensor of the model with every name it has (tied weights have several)."""
+
+    name: str  # the first name, under which it is stored and offloaded
+    tensor: torch.Tensor
+    slots: list[Slot] = field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.slots]
+
+    def size(self, dtype: torch.dtype | None = None) -> int:
+        return nbytes(self.tensor.shape, target_dtype(self.tensor.dtype, dtype))
+
+    @property
+    def is_parameter(self) -> bool:
+        return self.slots[0].is_parameter
+
+    @property
+    def persistent(self) -> bool:
+        return any(s.persistent for s in self.slots)
+
+
+def model_weights(model: torch.nn.Module) -> dict[str, Weight]:
+    """Every tensor of the model once, by first name; tied weights gather all their names."""
+    by_identity: dict[int, Weight] = {}
+    ordered: dict[str, Weight] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for kind, tensors in (("p", module._parameters), ("b", module._buffers)):
+            for attr, tensor in tensors.items():
+                if tensor is None:
+                    continue
+                name = f"{prefix}.{attr}" if prefix else attr
+                persistent = kind == "p" or attr not in module._non_persistent_buffers_set
+                slot = Slot(name, module, attr, kind == "p", persistent)
+                weight = by_identity.get(id(tensor))
+                if weight is None:
+                    weight = by_identity[id(tensor)] = ordered[name] = Weight(name, tensor)
+                weight.slots.append(slot)
+    return ordered
+
+
+def alias_table(weights: dict[str, Weight]) -> dict[str, str]:
+    """Any name of a tensor -> its first name."""
+    return {slot.name: weight.name for weight in weights.values() for slot in weight.slots}
+
+
+def owns(key: str, name: str) -> bool:
+    """Whether the device-map entry ``key`` covers the tensor or module ``name``."""
+    return key == "" or name == key or name.startswith(key + ".")
