@@ -33,11 +33,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def ray_processes() -> list[psutil.Process]:
-    """Ray's own processes (raylet, GCS, workers) started under this test process."""
+    """Ray's own processes (raylet, GCS, workers) started under this test process, with
+    the raylet or GCS that died while starting (a zombie: known by its name alone)."""
     found = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if any("ray" in part for part in child.cmdline()[:3]):
+            if child.status() == psutil.STATUS_ZOMBIE:
+                if child.name() in ("raylet", "gcs_server"):
+                    found.append(child)
+            elif any("ray" in part for part in child.cmdline()[:3]):
                 found.append(child)
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
@@ -72,10 +76,19 @@ def cluster():
     try:
         # This process imported Ray before the environment above: switched as the launcher does.
         with ray_local._single_node(loopback=True):
-            ray.init(
-                num_cpus=2, include_dashboard=False, log_to_driver=False,
-                _node_ip_address="127.0.0.1", _temp_dir=temp_dir,
-            )
+            for attempt in (1, 2):  # as the launcher does: a node slow to register, once more
+                try:
+                    ray.init(
+                        num_cpus=2, include_dashboard=False, log_to_driver=False,
+                        _node_ip_address="127.0.0.1", _temp_dir=temp_dir,
+                    )
+                    break
+                except Exception as error:
+                    if attempt == 2 or "timed out during startup" not in str(error):
+                        raise
+                    with contextlib.suppress(Exception):
+                        ray.shutdown()
+                    stop_ray_processes(ray_processes(), timeout=0)
         started = True
         yield ray
     finally:

@@ -30,6 +30,7 @@ from typing import Any
 _AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 _SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
+_RAY_PROGRAMS = (b"raylet", b"gcs_server")  # what ray.init starts as children of this process
 _saved_auth: dict[str, str | None] | None = None  # the kernel's own settings while a cluster runs
 
 
@@ -92,8 +93,14 @@ def _ray_children(ray: Any) -> set[int]:
             continue
         try:
             with open(f"/proc/{entry}/stat", "rb") as stat:
-                fields = stat.read().rpartition(b")")[2].split()  # after "pid (name)"
+                name, _, rest = stat.read().partition(b" (")[2].rpartition(b")")
+                fields = rest.split()  # after "pid (name)"
             if int(fields[1]) != os.getpid():
+                continue
+            # A Ray program that died while starting is a zombie with no command line left,
+            # known by its name alone, and must still be reaped.
+            if fields[0] == b"Z" and name in _RAY_PROGRAMS:
+                found.add(int(entry))
                 continue
             with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
                 if package in cmdline.read():
