@@ -165,9 +165,9 @@ def test_the_text_summary_has_every_rank_state_time_and_error():
     record.apply(LaunchFinished("failed", 1.5))
     lines = summary(record, clock.now).splitlines()
     assert lines[0] == "notebook_launcher: 2 x cpu ranks, bf16, fork: failed after 1.5 s"
-    assert lines[1].split() == ["rank", "state", "device", "pid", "elapsed", "progress", "metrics",
-                                "last", "line", "/", "error"]  # fmt: skip
-    assert lines[2].split() == ["0", "stopped", "cpu", "1000", "1.2", "s", "-", "loss=0.01235",
+    assert lines[1].split() == ["rank", "state", "device", "pid", "elapsed", "peak", "memory",
+                                "progress", "metrics", "last", "line", "/", "error"]  # fmt: skip
+    assert lines[2].split() == ["0", "stopped", "cpu", "1000", "1.2", "s", "-", "-", "loss=0.01235",
                                 "epoch", "4:", "loss", "0.01"]  # fmt: skip
     assert lines[3].split()[:5] == ["1", "failed", "cpu", "1001", "1.2"]
     assert lines[3].endswith("ValueError: learning rate 10.0 is too large")
