@@ -7,15 +7,15 @@ fact: world size, sharded data, falling loss, and weights bit for bit.
 
 from __future__ import annotations
 
+import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from notebook_launcher import launches, notebook_launcher
-from tests.accelerator_support import SCRIPTS, clean_environment, run_torchrun
+from tests.accelerator_support import SCRIPTS, clean_environment, free_port
 
 pytest.importorskip("peft")
 pytest.importorskip("trl")
@@ -27,17 +27,35 @@ import peft  # noqa: E402, F401
 import transformers  # noqa: E402, F401
 import trl  # noqa: E402, F401
 
+# One launch and one torchrun for every test here, together over 30 s on a busy machine
+# (each imports transformers, peft, trl and datasets): the module's fixture shares them.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ours_dir = tmp_path_factory.mktemp("ours")
     torchrun_dir = tmp_path_factory.mktemp("torchrun")
-    ours = notebook_launcher(
-        finetune_pair.train, args=(str(ours_dir),), num_processes=2, hardware="cpu",
-        output="none", return_all=True,
-    )  # fmt: skip
-    record = launches()[-1]
-    run_torchrun(SCRIPTS / "finetune_pair.py", str(torchrun_dir), env=clean_environment())
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+        str(SCRIPTS / "finetune_pair.py"), str(torchrun_dir),
+    ]  # fmt: skip
+    # torchrun runs while the launch runs: both spend most of their time importing.
+    with subprocess.Popen(
+        command, env=clean_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as torchrun:
+        try:
+            ours = notebook_launcher(
+                finetune_pair.train, args=(str(ours_dir),), num_processes=2, hardware="cpu",
+                output="none", return_all=True,
+            )  # fmt: skip
+            record = launches()[-1]
+            output, _ = torchrun.communicate(timeout=900)  # a safety net
+        finally:
+            if torchrun.poll() is None:
+                torchrun.kill()
+    assert torchrun.returncode == 0, output[-8000:]
     reference = [torch.load(torchrun_dir / f"pair_rank{r}.pt", weights_only=False) for r in (0, 1)]
     return {"ours": ours, "torchrun": reference, "record": record}
 
