@@ -26,6 +26,7 @@ from notebook_launcher.widgets.record import (
     failure_line,
     record_data,
 )
+from notebook_launcher.widgets.static import record_html
 from notebook_launcher.widgets.text import TextDashboard, summary
 from tests.metric_events import in_batches, logged
 
@@ -308,6 +309,8 @@ def test_each_rank_peak_memory_is_a_column_of_the_text_html_and_data():
     assert ">peak memory</th>" in table
     assert 'title="peak resident memory (RSS) on cpu"' in table and ">339 MB</span>" in table
     assert 'title="peak CUDA memory allocated on cuda:1"' in table and ">2.4 GB cuda</span>" in table
+    lasting = record_html(record, None)  # what a saved notebook keeps
+    assert ">peak memory</th>" in lasting and '<span class="nl-memory">339 MB</span>' in lasting
     ranks = record_data(record)["ranks"]
     assert ranks[0]["peak_memory"] == {
         "kind": "rss", "peak_bytes": 338_952_192, "current_bytes": 330_000_000, "device": "cpu"
