@@ -144,10 +144,9 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.steps)
         return
-    import torch
-
     # Imported before the launches fork: the ranks find them loaded (a notebook has them too).
     import peft  # noqa: F401
+    import torch
     import transformers  # noqa: F401
 
     rows: dict[str, list[Any]] = {"ours": [], "accelerate": []}

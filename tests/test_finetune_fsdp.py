@@ -14,9 +14,9 @@ from tests.accelerator_support import SCRIPTS
 
 pytest.importorskip("peft")
 sys.path.insert(0, str(SCRIPTS))
-import fsdp_tiny  # noqa: E402
-import peft  # noqa: E402, F401
-import transformers  # noqa: E402, F401
+import fsdp_tiny
+import peft  # noqa: F401
+import transformers  # noqa: F401
 
 
 def _launch(function: Any, *args: Any) -> list[Any]:

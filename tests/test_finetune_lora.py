@@ -21,11 +21,11 @@ pytest.importorskip("peft")
 pytest.importorskip("trl")
 sys.path.insert(0, str(SCRIPTS))
 # Imported here, before the ranks fork, so that each rank finds them loaded.
-import datasets  # noqa: E402, F401
-import finetune_pair  # noqa: E402
-import peft  # noqa: E402, F401
-import transformers  # noqa: E402, F401
-import trl  # noqa: E402, F401
+import datasets  # noqa: F401
+import finetune_pair
+import peft  # noqa: F401
+import transformers  # noqa: F401
+import trl  # noqa: F401
 
 # One launch and one torchrun for every test here, together over 30 s on a busy machine
 # (each imports transformers, peft, trl and datasets): the module's fixture shares them.

@@ -41,13 +41,8 @@ def record_html(record: LaunchRecord, drawn: Drawn | None, plot_problem: str | N
     ]
     if record.notice:
         parts.append(f"<p>{html.escape(shorten(record.notice, _ERROR_CHARS))}</p>")
-    head = "".join(
-        f"<th{_CELL}>{t}</th>"
-        for t in (
-            "rank", "state", "elapsed", "error / last line", "progress", "metrics", "peak memory",
-            "device",
-        )  # fmt: skip
-    )
+    titles = ("rank", "state", "elapsed", "error / last line", "progress", "metrics", "peak memory", "device")
+    head = "".join(f"<th{_CELL}>{t}</th>" for t in titles)
     rows = []
     for rank in sorted(record.rows):
         row = record.rows[rank]

@@ -10,10 +10,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import torch
-
 import lora_tiny
 import sft_tiny
+import torch
 
 
 def train(out_dir: str, core: str = "ours") -> dict[str, Any]:

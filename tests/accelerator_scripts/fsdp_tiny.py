@@ -12,7 +12,6 @@ import os
 from typing import Any
 
 import torch
-
 from lora_tiny import base_model, lora_config, lora_model, probe
 
 TOKENS = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(5))
