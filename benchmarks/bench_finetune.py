@@ -3,11 +3,12 @@ accelerate's Accelerator, on the same script, 2 CPU ranks.
 
 A Llama built from a config (hidden 256, 4 layers, vocabulary 2048, no download), LoRA of
 rank 8 on q_proj and v_proj, AdamW, per-rank batch 4 x 64 tokens. Each run trains the
-same steps from the same seed; rounds alternate between the two ways of launching (the
+same steps from the same seed; rounds go through the ways of launching (the
 order rotating), so that a change in the machine's speed hits both. For each it prints:
 whether the final adapters are bit-identical, the median step time (median over rounds of
 each run's median), the peak RSS each rank grew by while training and its peak over the
-whole run, and the ratios ours / accelerate. A last row trains the full model (no LoRA)
+whole run, and the ratios ours / accelerate. A third way (accelerate's Accelerator inside
+notebook_launcher) tells the launcher's share from the core's. A last row trains the full model (no LoRA)
 with our FSDP2 against our DDP, for each rank's memory.
 
     python benchmarks/bench_finetune.py [--rounds 3] [--steps 30]
@@ -149,12 +150,16 @@ def main() -> None:
     import torch
     import transformers  # noqa: F401
 
-    rows: dict[str, list[Any]] = {"ours": [], "accelerate": []}
+    rows: dict[str, list[Any]] = {"ours": [], "accelerate": [], "accelerate-in-launch": []}
+    names = list(rows)
     for round_index in range(args.rounds):
-        order = ["ours", "accelerate"] if round_index % 2 == 0 else ["accelerate", "ours"]
+        order = names[round_index % 3 :] + names[: round_index % 3]  # rotated every round
         for name in order:
             began = time.perf_counter()
-            results, peaks = run_ours("ours", args.steps) if name == "ours" else run_torchrun(args.steps)
+            if name == "accelerate":
+                results, peaks = run_torchrun(args.steps)
+            else:
+                results, peaks = run_ours("ours" if name == "ours" else "accelerate", args.steps)
             rows[name].append((results, peaks, time.perf_counter() - began))
     same = all(
         torch.equal(rows["ours"][-1][0][r]["adapter"][k], v)
@@ -165,7 +170,11 @@ def main() -> None:
     print("| | step time (median) | training growth per rank (MB) | process peak per rank (MB) | wall per run |")
     print("|---|---|---|---|---|")
     summary = {}
-    for name, label in (("ours", "notebook_launcher + our Accelerator"), ("accelerate", "torchrun + accelerate")):
+    for name, label in (
+        ("ours", "notebook_launcher + our Accelerator"),
+        ("accelerate", "torchrun + accelerate"),
+        ("accelerate-in-launch", "notebook_launcher + accelerate's Accelerator"),
+    ):
         step = statistics.median(statistics.median(r["step_s"] for r in results) for results, _, _ in rows[name])
         growth = [statistics.median(results[r]["growth_bytes"] for results, _, _ in rows[name]) for r in (0, 1)]
         peak = [statistics.median(peaks[r] for _, peaks, _ in rows[name]) for r in (0, 1)]
