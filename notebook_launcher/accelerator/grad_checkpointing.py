@@ -101,13 +101,14 @@ class CheckpointingGuard:
         models = list(models)
         if any(isinstance(m, DistributedDataParallel) and not m.require_backward_grad_sync for m in models):
             return  # inside no_sync: DDP checks nothing before the synchronising step
-        self._checked_gradients = True
-        missing = [
-            name
-            for model in models
-            if self.reentrant or (isinstance(model, DistributedDataParallel) and _strict(model))
-            for name in _without_gradient(model)
-        ]
+        missing: list[str] = []
+        for model in models:
+            if not (self.reentrant or (isinstance(model, DistributedDataParallel) and _strict(model))):
+                continue
+            without, reached = _without_gradient(model)
+            if reached:  # a backward through this model (not through another one alone)
+                self._checked_gradients = True
+                missing.extend(without)
         if not missing:
             return
         shown = ", ".join(missing[:_NAMES_SHOWN])
@@ -151,12 +152,18 @@ def _finds_unused(model: DistributedDataParallel) -> bool:
     )
 
 
-def _without_gradient(model: torch.nn.Module) -> list[str]:
-    return [
-        name
-        for name, parameter in model.named_parameters()
-        if parameter.requires_grad and parameter.grad is None
-    ]
+def _without_gradient(model: torch.nn.Module) -> tuple[list[str], bool]:
+    """The trainable parameters without a gradient, and whether any has one."""
+    without: list[str] = []
+    reached = False
+    for name, parameter in model.named_parameters():
+        if not parameter.requires_grad:
+            continue
+        if parameter.grad is None:
+            without.append(name)
+        else:
+            reached = True
+    return without, reached
 
 
 def _sentence(text: str) -> str:
