@@ -93,3 +93,23 @@ def test_big_model_notebook_runs_a_model_larger_than_its_budget_and_draws_the_pl
     assert "disk" in drawn.data["text/html"] and drawn.data["text/plain"].startswith("Device map:")
     assert "activations (traced)" in outputs
     assert not [o for cell in code for o in cell.outputs if o.output_type == "error"]
+
+
+def test_lora_notebook_fine_tunes_on_two_ranks_with_loss_curve_memory_and_adapter():
+    notebook = execute("06_lora_fine_tuning.ipynb")
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    assert "trainable params:" in streams(notebook)[0]
+    training = [o for o in code[1].outputs if o.output_type == "display_data"]
+    assert len(training) == 1
+    shown = training[0].data["text/html"]
+    assert "nl-record" in shown and "<svg" in shown and "loss" in shown  # the curves
+    assert ">peak memory</th>" in shown and shown.count('class="nl-memory"') == 2
+    lines = streams(notebook)[2].splitlines()
+    first, last = (float(x) for x in lines[0].removeprefix("loss: ").split(" -> "))
+    assert last < first
+    assert lines[1].startswith("rank 0: peak rss ") and lines[2].startswith("rank 1: peak rss ")
+    assert "kB train" in lines[3]
+    assert streams(notebook)[3].splitlines() == [
+        "['README.md', 'adapter_config.json', 'adapter_model.safetensors']",
+        "merged model gives the same outputs: True LlamaForCausalLM",
+    ]

@@ -13,6 +13,7 @@ from notebook_launcher.launcher.events import (
     LaunchStarted,
     OutputLine,
     RankFinished,
+    RankMemory,
     RankMetrics,
     RankProgress,
     RankStarted,
@@ -25,6 +26,7 @@ from notebook_launcher.widgets.record import (
     failure_line,
     record_data,
 )
+from notebook_launcher.widgets.static import record_html
 from notebook_launcher.widgets.text import TextDashboard, summary
 from tests.metric_events import in_batches, logged
 
@@ -165,9 +167,9 @@ def test_the_text_summary_has_every_rank_state_time_and_error():
     record.apply(LaunchFinished("failed", 1.5))
     lines = summary(record, clock.now).splitlines()
     assert lines[0] == "notebook_launcher: 2 x cpu ranks, bf16, fork: failed after 1.5 s"
-    assert lines[1].split() == ["rank", "state", "device", "pid", "elapsed", "progress", "metrics",
-                                "last", "line", "/", "error"]  # fmt: skip
-    assert lines[2].split() == ["0", "stopped", "cpu", "1000", "1.2", "s", "-", "loss=0.01235",
+    assert lines[1].split() == ["rank", "state", "device", "pid", "elapsed", "peak", "memory",
+                                "progress", "metrics", "last", "line", "/", "error"]  # fmt: skip
+    assert lines[2].split() == ["0", "stopped", "cpu", "1000", "1.2", "s", "-", "-", "loss=0.01235",
                                 "epoch", "4:", "loss", "0.01"]  # fmt: skip
     assert lines[3].split()[:5] == ["1", "failed", "cpu", "1001", "1.2"]
     assert lines[3].endswith("ValueError: learning rate 10.0 is too large")
@@ -289,3 +291,35 @@ def test_a_metric_name_made_per_call_keeps_a_bounded_record_and_says_what_it_lef
     assert record_data(record)["values_not_kept"] == record.values_not_kept
     page = record_html(record, render_svg(record.shown_curves()))
     assert "&lt;b&gt;sample&lt;/b&gt;_" in page and "were not kept" in page and "<b>sample" not in page
+
+
+def test_each_rank_peak_memory_is_a_column_of_the_text_html_and_data():
+    clock = Clock()
+    record = LaunchRecord(clock)
+    started(record, clock)
+    record.apply(RankMemory(0, "rss", 120_000_000, 100_000_000, "cpu"))
+    record.apply(RankMemory(0, "rss", 338_952_192, 330_000_000, "cpu"))  # the peak grew
+    record.apply(RankMemory(1, "cuda", 2_400_000_000, 1_000_000_000, "cuda:1"))
+    record.apply(RankFinished(0, 0, None))
+    record.apply(LaunchFinished("ok", 1.0))
+    lines = summary(record, clock.now).splitlines()
+    assert lines[2].split()[:8] == ["0", "done", "cpu", "1000", "0.0", "s", "339", "MB"]
+    assert "2.4 GB cuda" in lines[3]
+    table = views.rows_html(record, clock.now)
+    assert ">peak memory</th>" in table
+    assert 'title="peak resident memory (RSS) on cpu"' in table and ">339 MB</span>" in table
+    assert 'title="peak CUDA memory allocated on cuda:1"' in table and ">2.4 GB cuda</span>" in table
+    lasting = record_html(record, None)  # what a saved notebook keeps
+    assert ">peak memory</th>" in lasting and '<span class="nl-memory">339 MB</span>' in lasting
+    ranks = record_data(record)["ranks"]
+    assert ranks[0]["peak_memory"] == {
+        "kind": "rss", "peak_bytes": 338_952_192, "current_bytes": 330_000_000, "device": "cpu"
+    }
+    assert ranks[1]["peak_memory"]["kind"] == "cuda"
+
+
+def test_a_rank_that_never_reported_memory_shows_a_dash():
+    record = LaunchRecord(Clock())
+    started(record, None, ranks=1)
+    assert record_data(record)["ranks"][0]["peak_memory"] is None
+    assert summary(record, 0.0).splitlines()[2].split()[6] == "-"  # after "elapsed" (2 words)

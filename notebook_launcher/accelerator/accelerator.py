@@ -29,6 +29,7 @@ from notebook_launcher.accelerator.data import (
     prepare_data_loader,
 )
 from notebook_launcher.accelerator.fsdp import full_state_dict, is_fully_sharded, shard_model
+from notebook_launcher.accelerator.grad_checkpointing import CheckpointingGuard
 from notebook_launcher.accelerator.gradient_state import GradientState
 from notebook_launcher.accelerator.kwargs import (
     KWARGS_HANDLER_TYPES,
@@ -41,6 +42,7 @@ from notebook_launcher.accelerator.kwargs import (
     ProfileKwargs,
 )
 from notebook_launcher.accelerator.lifecycle import Lifecycle
+from notebook_launcher.accelerator.memory import memory_summary
 from notebook_launcher.accelerator.optimizer import AcceleratedOptimizer
 from notebook_launcher.accelerator.saving import Saving
 from notebook_launcher.accelerator.scheduler import AcceleratedScheduler
@@ -174,6 +176,7 @@ class Accelerator(Coordination, Checkpointing, Lifecycle, Saving):
         self._dataloaders: list[DataLoaderShard] = []
         self._custom_objects: list[Any] = []
         self._parameter_swaps: dict[int, torch.nn.Parameter] = {}
+        self._checkpointing_guard = CheckpointingGuard()
         self._profile_kwargs = handlers.get(ProfileKwargs)  # type: ignore[assignment]
         # OrderedDict: torch's RemovableHandle holds them by weak reference.
         self._save_state_pre_hooks: dict[int, Any] = collections.OrderedDict()
@@ -358,10 +361,19 @@ class Accelerator(Coordination, Checkpointing, Lifecycle, Saving):
         """``loss.backward()``, scaled for fp16 and divided over accumulation steps."""
         if self.gradient_state.num_steps > 1:
             loss = loss / self.gradient_state.num_steps
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward(**kwargs)
-        else:
-            loss.backward(**kwargs)
+        guard = self._checkpointing_guard
+        guard.before_backward(loss, self._models)
+        try:
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward(**kwargs)
+            else:
+                loss.backward(**kwargs)
+        except RuntimeError as error:
+            explained = guard.explain(error)
+            if explained is None:
+                raise
+            raise explained from error
+        guard.after_backward(self._models)
 
     def autocast(
         self, autocast_handler: AutocastKwargs | None = None
@@ -461,6 +473,16 @@ class Accelerator(Coordination, Checkpointing, Lifecycle, Saving):
         if self.gradient_state.sync_gradients:
             self.unscale_gradients()
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    def memory_summary(self) -> dict[str, Any]:
+        """This rank's memory as plain data, the reading the launch's dashboard shows.
+
+        ``kind`` ("rss" on a CPU rank, "cuda" on a GPU), ``peak_bytes``, ``current_bytes``,
+        ``device``, and the bytes this rank holds of the prepared models' parameters
+        (``trainable_parameters_bytes`` among them), gradients and optimizer state.
+        """
+        optimizers = [o.optimizer for o in self._optimizers]
+        return memory_summary(self.process_index, self._models, optimizers)
 
     # ---- collectives -----------------------------------------------------------------
     def gather(self, tensor: Any) -> Any:

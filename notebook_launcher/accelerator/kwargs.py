@@ -80,8 +80,10 @@ class FullyShardedDataParallelPlugin:
     """Shard the model with FSDP2 (``torch.distributed.fsdp.fully_shard``) instead of DDP.
 
     ``shard_module_types``: the submodule classes that become their own FSDP unit (for
-    a transformer, its block class). When None, every direct child of the model that
-    holds parameters is one unit. The root module is always sharded last.
+    a transformer, its block class). When None, a transformers model's blocks (the classes
+    it names in ``_no_split_modules``, found through wrappers such as peft's) are the
+    units; a model naming none has each direct child that holds parameters as a unit.
+    The root module is always sharded last.
     """
 
     reshard_after_forward: bool = True

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from notebook_launcher.accelerator.adapters import is_peft_model, save_adapter
+from notebook_launcher.accelerator.wrappers import unwrap
 from notebook_launcher.errors import AcceleratorError, CheckpointError
 
 if TYPE_CHECKING:
@@ -162,6 +164,7 @@ class Saving:
     ) -> None:
         """The model's full weights into ``save_directory``, split into files of at most
         ``max_shard_size`` (safetensors, or ``torch.save`` with safe_serialization=False).
+        A peft model (LoRA) writes its adapter alone, as its ``save_pretrained`` does.
 
         Call it on every rank (FSDP2 gathers the weights); the main process writes.
         """
@@ -176,6 +179,9 @@ class Saving:
         parse_size(max_shard_size)  # a bad size fails on every rank, before any collective
         state_dict = self.get_state_dict(model)
         if self.state.is_main_process:
+            if is_peft_model(unwrap(model)):  # the adapter alone, as peft saves it
+                save_adapter(unwrap(model), state_dict, save_directory, safe_serialization=safe_serialization)
+                return
             write_model(
                 state_dict,
                 save_directory,

@@ -65,7 +65,17 @@ class Progress:
     description: str = ""
 
 
-RankMessage = Union[Hello, Result, Failure, Progress, MetricBatch]
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """The rank's memory: its peak so far and what it holds now, in bytes."""
+
+    kind: str  # "rss" or "cuda" (see ``notebook_launcher.rank_memory``)
+    peak_bytes: int
+    current_bytes: int
+    device: str
+
+
+RankMessage = Union[Hello, Result, Failure, Progress, MetricBatch, Memory]
 
 
 class Outbox:

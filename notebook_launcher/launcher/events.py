@@ -61,6 +61,18 @@ class RankMetrics:
 
 
 @dataclasses.dataclass(frozen=True)
+class RankMemory:
+    """A rank's peak memory so far: RSS on a CPU rank, torch's ``max_memory_allocated``
+    on a CUDA rank. Sent when it grew, at most about once a second, and once at the end."""
+
+    rank: int
+    kind: str  # "rss" or "cuda"
+    peak_bytes: int
+    current_bytes: int
+    device: str
+
+
+@dataclasses.dataclass(frozen=True)
 class RankFinished:
     rank: int
     exitcode: int | None
@@ -104,6 +116,7 @@ LaunchEvent = Union[
     OutputLine,
     RankProgress,
     RankMetrics,
+    RankMemory,
     RankFinished,
     GroupRestarting,
     RendezvousWaiting,

@@ -23,9 +23,17 @@ from typing import Any
 
 import cloudpickle
 
-from notebook_launcher import rank_env
+from notebook_launcher import rank_env, rank_memory
 from notebook_launcher.errors import RankInputError
-from notebook_launcher.launcher.channel import Failure, Hello, Outbox, Progress, RankMessage, Result
+from notebook_launcher.launcher.channel import (
+    Failure,
+    Hello,
+    Memory,
+    Outbox,
+    Progress,
+    RankMessage,
+    Result,
+)
 from notebook_launcher.launcher.descendants import KILL_WAIT_S, end_descendants
 from notebook_launcher.launcher.metric_batch import numbers_of, step_of
 from notebook_launcher.launcher.store import SECRET_ENV, protect_env_rendezvous
@@ -33,6 +41,8 @@ from notebook_launcher.tracking import add_metric_flush, add_metric_sink, add_pr
 
 _outbox: Outbox | None = None  # this rank's end of the channel
 _forked = False  # started by fork: the kernel's __main__ is this process's __main__
+MEMORY_REPORT_S = 1.0  # how often a rank's memory is read; sent only when its peak grew
+_MEMORY_STEP_BYTES = 1 << 20  # growth below this is not worth a message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,18 +106,22 @@ def run_rank(
     _apply_kernel_state(spec)
     # The store's keys are the launch's alone; not inherited by what the function starts.
     protect_env_rendezvous(os.environ.pop(SECRET_ENV, None))
+    memory = _MemoryReporter()
     exit_code: int | str | None = None
     try:
         function, args, kwargs = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
         value = function(*args, **kwargs)
     except SystemExit as exit_request:
+        memory.stop()
         if exit_request.code not in (None, 0):
             _report_failure(exit_request)
             _exit(1)
         value, exit_code = None, exit_request.code if exit_request.code is not None else 0
     except BaseException as error:
+        memory.stop()
         _report_failure(error)
         _exit(1)
+    memory.stop()
     try:
         result = Result(dump_result(value, spec.keep_result_devices), exit_code)
     except Exception as error:
@@ -125,6 +139,42 @@ def run_rank(
         _flush()
         return
     _exit(0)
+
+
+class _MemoryReporter:
+    """Sends the rank's peak memory when it grew (read once a second), and once at the end.
+
+    The peak starts over when the rank starts, so that a forked rank reports its own and
+    not the kernel's.
+    """
+
+    def __init__(self) -> None:
+        self._sent_peak = -_MEMORY_STEP_BYTES
+        self._stopping = threading.Event()
+        with contextlib.suppress(Exception):  # a reading is never worth failing a rank for
+            rank_memory.reset_peak()
+        self._report()
+        self._thread = threading.Thread(target=self._run, name="notebook-launcher-memory", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping.wait(MEMORY_REPORT_S):
+            self._report()
+
+    def _report(self, final: bool = False) -> None:
+        try:
+            reading = rank_memory.read()
+            if final or reading.peak_bytes - self._sent_peak >= _MEMORY_STEP_BYTES:
+                self._sent_peak = reading.peak_bytes
+                send(Memory(reading.kind, reading.peak_bytes, reading.current_bytes, reading.device))
+        except Exception:  # the kernel's end gone, or /proc unreadable: nothing to tell
+            return
+
+    def stop(self) -> None:
+        """The last reading, sent before the result or the failure."""
+        self._stopping.set()
+        self._thread.join()
+        self._report(final=True)
 
 
 def dump_result(value: Any, keep_devices: bool) -> bytes:

@@ -36,11 +36,12 @@ from notebook_launcher.launcher.backends.base import (
     RankEnds,
     RankTarget,
 )
-from notebook_launcher.launcher.channel import Failure, Hello, Progress, Result
+from notebook_launcher.launcher.channel import Failure, Hello, Memory, Progress, Result
 from notebook_launcher.launcher.events import (
     LaunchEvent,
     OutputLine,
     RankFinished,
+    RankMemory,
     RankMetrics,
     RankProgress,
     RankStarted,
@@ -373,6 +374,10 @@ class RankGroup:
             self._emit(RankProgress(rank.rank, message.n, message.total, message.description))
         elif isinstance(message, MetricBatch):
             self._emit(RankMetrics(rank.rank, message))
+        elif isinstance(message, Memory):
+            self._emit(
+                RankMemory(rank.rank, message.kind, message.peak_bytes, message.current_bytes, message.device)
+            )
         elif self._on_message is not None:
             self._on_message(rank, message)
 

@@ -41,7 +41,8 @@ def launches() -> list[dict[str, Any]]:
     ``num_processes``, ``accelerator``, ``mixed_precision``, ``start_method``, ``ranks``
     (one dict per rank: ``state``, ``elapsed`` (from the launch's start), ``exitcode``,
     ``error``, ``traceback``, ``progress``, ``last_metrics`` (each metric's last value,
-    exactly), ...) and ``metrics``
+    exactly), ``peak_memory`` (``kind`` "rss" or "cuda", ``peak_bytes``,
+    ``current_bytes``, ``device``; None before the rank reported), ...) and ``metrics``
     (``{name: {rank: {"steps": [...], "values": [...], "logged": n}}}``; past 4,000
     points a curve keeps an evenly thinned subset that always ends with the last point
     logged, ``logged`` counts them all; the first 1,000 metric names are kept, and

@@ -12,7 +12,7 @@ import itertools
 
 from notebook_launcher.widgets.plot import Drawn, rank_colour
 from notebook_launcher.widgets.record import LaunchRecord, RankRow
-from notebook_launcher.widgets.text import format_seconds, headline, shorten
+from notebook_launcher.widgets.text import format_seconds, headline, memory_text, shorten
 
 STATE_COLOURS = {
     "starting": "#7f7f7f",
@@ -29,7 +29,8 @@ _CELL = "padding: 2px 8px 2px 0; vertical-align: top; text-align: left;"
 # error (or last line) comes right after the state, wrapping instead of running off.
 _COLUMNS = (
     ("rank", "3.4em"), ("state", "6.6em"), ("elapsed", "5.4em"), ("error / last line", "auto"),
-    ("progress", "19%"), ("metrics", "30%"), ("device", "4.2em"), ("pid", "4.2em"),
+    ("progress", "19%"), ("metrics", "26%"), ("peak memory", "6.2em"), ("device", "4.2em"),
+    ("pid", "4.2em"),
 )  # fmt: skip
 _DETAIL_CHARS = 300  # the error or last line, wrapped; the full text is in the rank's output
 _DESCRIPTION_CHARS = 24
@@ -90,6 +91,7 @@ def _row_html(row: RankRow, now: float) -> str:
         _detail_html(row),
         _progress_html(row),
         _metrics_html(row),
+        _memory_html(row),
         html.escape(row.device or "-"),
         str(row.pid or "-"),
     ]
@@ -120,6 +122,17 @@ def _metrics_html(row: RankRow) -> str:
     if len(items) > _METRICS_SHOWN:
         shown += f' <span style="opacity: 0.6;">+{len(items) - _METRICS_SHOWN} more</span>'
     return shown
+
+
+def _memory_html(row: RankRow) -> str:
+    memory = row.memory
+    if memory is None:
+        return '<span style="opacity: 0.5;">-</span>'
+    what = "peak CUDA memory allocated" if memory.kind == "cuda" else "peak resident memory (RSS)"
+    return (
+        f'<span class="nl-memory" title="{html.escape(what)} on {html.escape(memory.device)}" '
+        f'style="white-space: nowrap;">{html.escape(memory_text(row))}</span>'
+    )
 
 
 def css_word(state: str) -> str:

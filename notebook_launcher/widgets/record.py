@@ -22,6 +22,7 @@ from notebook_launcher.launcher.events import (
     LaunchStarted,
     OutputLine,
     RankFinished,
+    RankMemory,
     RankMetrics,
     RankProgress,
     RankStarted,
@@ -187,6 +188,11 @@ class RankRow:
     )
     output_lines: int = 0  # all lines seen, including those no longer kept
     last_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    memory: RankMemory | None = None  # the latest reading: peak RSS, or peak CUDA allocations
+
+    @property
+    def peak_memory(self) -> int | None:
+        return None if self.memory is None else self.memory.peak_bytes
 
     def elapsed(self, now: float) -> float | None:
         if self.started_at is None or self.state == "not started":
@@ -250,6 +256,9 @@ class LaunchRecord:
                 row.started_at = self.now()
         elif isinstance(event, RankFinished):
             self._on_finished(event)
+        elif isinstance(event, RankMemory):
+            # The rank's own peak so far (a restarted rank starts it over).
+            self._row(event.rank).memory = event
         elif isinstance(event, LaunchStarted):
             self.num_processes = event.num_processes
             self.accelerator, self.mixed_precision = event.accelerator, event.mixed_precision
@@ -428,6 +437,10 @@ def record_data(record: LaunchRecord) -> dict[str, Any]:
                 "n": row.progress.n, "total": row.progress.total, "description": row.progress.description,
             },
             "last_metrics": dict(row.last_metrics), "last_line": row.last_line,
+            "peak_memory": None if row.memory is None else {
+                "kind": row.memory.kind, "peak_bytes": row.memory.peak_bytes,
+                "current_bytes": row.memory.current_bytes, "device": row.memory.device,
+            },
         })  # fmt: skip
     return {
         "outcome": record.outcome, "elapsed": record.elapsed, "started_at": record.wall_started_at,

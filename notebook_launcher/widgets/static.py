@@ -16,7 +16,13 @@ from notebook_launcher.shown_text import cut_lines
 from notebook_launcher.widgets.html import STATE_COLOURS, css_word, plot_caption
 from notebook_launcher.widgets.plot import Drawn, rank_colour
 from notebook_launcher.widgets.record import LaunchRecord, clean_text
-from notebook_launcher.widgets.text import format_seconds, headline, progress_text, shorten
+from notebook_launcher.widgets.text import (
+    format_seconds,
+    headline,
+    memory_text,
+    progress_text,
+    shorten,
+)
 
 _ERROR_CHARS = 600
 _TRACEBACK_LINES = 60
@@ -35,10 +41,8 @@ def record_html(record: LaunchRecord, drawn: Drawn | None, plot_problem: str | N
     ]
     if record.notice:
         parts.append(f"<p>{html.escape(shorten(record.notice, _ERROR_CHARS))}</p>")
-    head = "".join(
-        f"<th{_CELL}>{t}</th>"
-        for t in ("rank", "state", "elapsed", "error / last line", "progress", "metrics", "device")
-    )
+    titles = ("rank", "state", "elapsed", "error / last line", "progress", "metrics", "peak memory", "device")
+    head = "".join(f"<th{_CELL}>{t}</th>" for t in titles)
     rows = []
     for rank in sorted(record.rows):
         row = record.rows[rank]
@@ -64,6 +68,7 @@ def record_html(record: LaunchRecord, drawn: Drawn | None, plot_problem: str | N
             detail,
             html.escape(shorten(progress_text(row), 60)),
             metrics or "-",
+            f'<span class="nl-memory">{html.escape(memory_text(row))}</span>',
             html.escape(row.device or "-"),
         ]
         rows.append(

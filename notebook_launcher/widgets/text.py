@@ -14,6 +14,7 @@ import sys
 from typing import TextIO
 
 from notebook_launcher.launcher.events import LaunchEvent, LaunchFinished, LaunchStarted
+from notebook_launcher.rank_memory import format_bytes
 from notebook_launcher.widgets import history
 from notebook_launcher.widgets.record import LaunchRecord, RankRow
 
@@ -57,6 +58,15 @@ def metrics_text(row: RankRow, shown: int = 6) -> str:
     return text + (f" (+{len(items) - shown} more)" if len(items) > shown else "")
 
 
+def memory_text(row: RankRow) -> str:
+    """The rank's peak memory: ``412 MB`` (RSS), ``1.3 GB cuda`` (allocated on its GPU)."""
+    memory = row.memory
+    if memory is None:
+        return "-"
+    text = format_bytes(memory.peak_bytes)
+    return f"{text} cuda" if memory.kind == "cuda" else text
+
+
 def detail_text(row: RankRow) -> str:
     """The failing rank's error, else its last line of output."""
     text = row.error if row.error is not None else row.last_line
@@ -65,14 +75,17 @@ def detail_text(row: RankRow) -> str:
 
 def table(record: LaunchRecord, now: float) -> str:
     """Every rank's row, in aligned columns under a header."""
-    header = ("rank", "state", "device", "pid", "elapsed", "progress", "metrics", "last line / error")
+    header = (
+        "rank", "state", "device", "pid", "elapsed", "peak memory", "progress", "metrics",
+        "last line / error",
+    )  # fmt: skip
     rows = [header]
     for rank in sorted(record.rows):
         row = record.rows[rank]
         elapsed = row.elapsed(now)
         rows.append((
             str(rank), row.state, row.device or "-", str(row.pid or "-"),
-            format_seconds(elapsed) if elapsed is not None else "-",
+            format_seconds(elapsed) if elapsed is not None else "-", memory_text(row),
             progress_text(row), metrics_text(row), detail_text(row),
         ))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
