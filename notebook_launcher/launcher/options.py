@@ -105,22 +105,6 @@ def check_scale_out(
     }
 
 
-def check_ray_address(address: Any, backend: str) -> str | None:
-    if address is None:
-        return None
-    if not isinstance(address, str) or not address.strip():
-        raise LaunchTypeError(
-            f"ray_address must be the address of a Ray cluster such as 'ray://10.0.0.1:10001' "
-            f"or 'auto'; got {address!r}."
-        )
-    if backend != "ray":
-        raise LaunchConfigError(
-            f"ray_address={address!r} is only used with backend='ray'; pass backend='ray' to "
-            "run the ranks on that cluster, or leave ray_address unset."
-        )
-    return address.strip()
-
-
 def _whole_number(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise LaunchTypeError(f"{name} must be a whole number; got {type(value).__name__} {value!r}.")
@@ -155,20 +139,6 @@ def resolve_accelerator(hardware: Any, report: HardwareReport) -> str:
             "Use hardware='cpu' or 'auto'."
         )
     return accelerator
-
-
-def resolve_backend(backend: Any, accelerator: str) -> str:
-    """The backend module that starts the ranks: the user's choice, else by the device."""
-    name = rules.canonical(backend)
-    if name not in rules.BACKENDS:
-        raise LaunchConfigError(
-            f"backend={backend!r} is not known; use one of "
-            + ", ".join(repr(b) for b in rules.BACKENDS)
-            + " ('auto' picks by the hardware)."
-        )
-    if name == "auto":
-        return "xla" if accelerator == "tpu" else "local"
-    return str(name)
 
 
 def check_num_processes(value: Any, accelerator: str, report: HardwareReport) -> int:
