@@ -234,8 +234,8 @@ def _unexpected_keyword(key: str, owners: Mapping[str, list[Backend]]) -> str:
     # The launcher's own arguments are the call's fields: what a misspelt keyword most
     # likely meant.
     own = [field for field in LaunchCall.__dataclass_fields__ if field != "backend_options"]
-    near = difflib.get_close_matches(key, [*own, *owners], n=2)
-    hint = f" Did you mean {' or '.join(near)}?" if near else ""
+    near = difflib.get_close_matches(key, [*own, *owners], n=1)
+    hint = f" Did you mean {near[0]}?" if near else ""
     theirs = "; ".join(
         f"{option} (backend={', '.join(repr(b.name) for b in backends)})"
         for option, backends in owners.items()
