@@ -107,20 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
         "-n", "--num-processes", type=_positive_int, metavar="N",
         help="ranks to start (default: one per GPU, else 2 CPU ranks)",
     )
-    run.add_argument(
-        "--mixed-precision", choices=rules.PRECISIONS,
-        metavar="{" + ",".join(rules.PRECISIONS) + "}",
-        help="precision the training core (or accelerate) applies in each rank",
-    )
+    _add_choice(run, "--mixed-precision", rules.PRECISIONS,
+                "precision the training core (or accelerate) applies in each rank")
     run.add_argument(
         "--hardware", choices=rules.HARDWARE_CHOICES, default="auto",
         help="where ranks run (default: auto)",
     )
-    run.add_argument(
-        "--start-method", choices=rules.START_METHODS,
-        metavar="{" + ",".join(rules.START_METHODS) + "}",
-        help="how rank processes start (default: auto)",
-    )
+    _add_choice(run, "--start-method", rules.START_METHODS, "how rank processes start (default: auto)")
     run.add_argument(
         "--timeout", type=_positive_float, metavar="SECONDS",
         help="stop every rank and fail after this many seconds",
@@ -155,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="address the store listens on (default: 127.0.0.1)",
     )
     return parser
+
+
+def _add_choice(run: argparse.ArgumentParser, flag: str, choices: Sequence[str], help: str) -> None:
+    """An option that takes one of ``choices``, each listed in --help."""
+    run.add_argument(flag, choices=choices, metavar="{" + ",".join(choices) + "}", help=help)
 
 
 def _add_backend_arguments(run: argparse.ArgumentParser) -> None:

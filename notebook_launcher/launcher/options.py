@@ -10,7 +10,7 @@ import contextlib
 import math
 import numbers
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from notebook_launcher import rules
@@ -119,15 +119,22 @@ def _number(value: Any) -> Any:
     return value
 
 
+def unknown_choice(argument: str, value: Any, choices: Sequence[Any], note: str = "") -> str:
+    """The message for a value that is none of ``choices``; ``note`` ends it, after them."""
+    return f"{argument}={value!r} is not known; use one of {', '.join(map(repr, choices))}{note}."
+
+
+def check_choice(argument: str, value: Any, choices: Sequence[Any], note: str = "") -> str:
+    """``value`` as the rules spell it ("BF16 " is "bf16"), if it is one of ``choices``."""
+    name = rules.canonical(value)
+    if not isinstance(name, str) or name not in choices:
+        raise LaunchConfigError(unknown_choice(argument, value, choices, note))
+    return name
+
+
 def resolve_accelerator(hardware: Any, report: HardwareReport) -> str:
-    name = rules.canonical(hardware)
-    if name not in rules.HARDWARE_CHOICES:
-        raise LaunchConfigError(
-            f"hardware={hardware!r} is not known; use one of "
-            + ", ".join(repr(h) for h in rules.HARDWARE_CHOICES)
-            + "."
-        )
-    accelerator = report.accelerator if name == "auto" else str(name)
+    name = check_choice("hardware", hardware, rules.HARDWARE_CHOICES)
+    accelerator = report.accelerator if name == "auto" else name
     if accelerator == "cuda" and not report.gpus:
         raise LaunchConfigError(
             "hardware='cuda' but no NVIDIA GPU was found (nvidia-smi lists none). "
@@ -159,14 +166,7 @@ def check_num_processes(value: Any, accelerator: str, report: HardwareReport) ->
 def check_mixed_precision(value: Any, accelerator: str, report: HardwareReport) -> str:
     if value is None:
         return "no"
-    name = rules.canonical(value)
-    if name not in rules.PRECISIONS:
-        raise LaunchConfigError(
-            f"mixed_precision={value!r} is not known; use one of "
-            + ", ".join(repr(p) for p in rules.PRECISIONS)
-            + "."
-        )
-    precision = str(name)
+    precision = check_choice("mixed_precision", value, rules.PRECISIONS)
     reason = rules.precision_support(report, accelerator)[precision]
     if reason is not None:
         raise LaunchConfigError(f"mixed_precision={precision!r} cannot run here: {reason}.")

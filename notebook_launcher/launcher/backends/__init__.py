@@ -27,6 +27,7 @@ from typing import Any
 
 from notebook_launcher import rules
 from notebook_launcher.errors import LaunchConfigError, LaunchTypeError, LaunchUnsupportedError
+from notebook_launcher.launcher import options
 from notebook_launcher.launcher.backends.base import Backend, BackendOption
 from notebook_launcher.launcher.plan_types import LaunchCall
 
@@ -40,6 +41,7 @@ BUILT_IN = (
 )
 ENTRY_POINT_GROUP = "notebook_launcher.backends"
 _FALLBACK = "local"  # what backend="auto" picks where no backend claims the device
+_AUTO_NOTE = " ('auto' picks by the hardware)"
 
 _backends: dict[str, Backend] = {}
 _unavailable: dict[str, str] = {}  # name -> why a launch that asks for it is refused
@@ -89,14 +91,12 @@ def lookup(name: str) -> Backend:
 def resolve(backend: Any, accelerator: str) -> str:
     """The name of the backend that starts the ranks: the user's choice, else (``"auto"``)
     the first one that claims the device."""
-    name = rules.canonical(backend)
+    name = options.check_choice("backend", backend, names(), _AUTO_NOTE)
     if name == "auto":
         for candidate in registered().values():
             if accelerator in candidate.chosen_by_auto_for:
                 return candidate.name
         return _FALLBACK
-    if not isinstance(name, str) or name not in names():
-        raise LaunchConfigError(_unknown(backend))
     return name
 
 
@@ -248,8 +248,4 @@ def _unexpected_keyword(key: str, owners: Mapping[str, list[Backend]]) -> str:
 
 
 def _unknown(backend: Any) -> str:
-    return (
-        f"backend={backend!r} is not known; use one of "
-        + ", ".join(repr(b) for b in names())
-        + " ('auto' picks by the hardware)."
-    )
+    return options.unknown_choice("backend", backend, names(), _AUTO_NOTE)
