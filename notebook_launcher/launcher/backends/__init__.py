@@ -21,7 +21,7 @@ import difflib
 import importlib
 import importlib.metadata
 import keyword
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -105,7 +105,7 @@ def check_options(backend: str, given: Mapping[str, Any]) -> Mapping[str, Any]:
 
     A keyword that is another backend's option is refused unless it is None, naming the
     backend it belongs to; one that is nobody's is refused as Python refuses an unknown
-    keyword argument (LaunchTypeError is a TypeError), with the nearest known names.
+    keyword argument (LaunchTypeError is a TypeError), with the nearest known name.
     """
     owners = _option_owners()
     mine = {option.name: option for option in _options_of(backend)}
@@ -221,12 +221,13 @@ def _option_owners() -> dict[str, list[Backend]]:
     return owners
 
 
-def _foreign_option(key: str, value: Any, owners: Iterable[Backend]) -> str:
-    owner = next(iter(owners))
-    where = owner.description or f"the {owner.name!r} backend's ranks"
+def _foreign_option(key: str, value: Any, owners: list[Backend]) -> str:
+    first = owners[0]
+    where = first.description or f"the {first.name!r} backend's ranks"
+    names = " or ".join(f"backend={b.name!r}" for b in owners)
     return (
-        f"{key}={value!r} is only used with backend={owner.name!r}; pass backend={owner.name!r} "
-        f"to run the ranks on {where}, or leave {key} unset."
+        f"{key}={value!r} is only used with {names}; pass backend={first.name!r} to run the "
+        f"ranks on {where}, or leave {key} unset."
     )
 
 
