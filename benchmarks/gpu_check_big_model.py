@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from notebook_launcher import big_modeling as bm  # noqa: E402
-from notebook_launcher.accelerator.saving import write_model  # noqa: E402
+from notebook_launcher.accelerator.model_files import write_model  # noqa: E402
 
 RESULTS: list[str] = []
 

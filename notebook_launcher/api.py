@@ -41,7 +41,7 @@ def notebook_launcher(
     backend: str = "auto",
     keep_result_devices: bool = False,
     dashboard: bool | str = "auto",
-    ray_address: str | None = None,
+    **backend_options: Any,
 ) -> Any:
     """Run ``function(*args, **kwargs)`` on ``num_processes`` ranks of this machine.
 
@@ -66,10 +66,15 @@ def notebook_launcher(
         timeout: seconds after which a still-running launch is stopped with an error.
         output: "all" (every rank), "main" (rank 0 only) or "none".
         observers: extra receivers of launch events .
-        backend: "auto" (by the hardware), "local" (processes of this machine) or "ray"
-            (Ray actors, one GPU each where there are GPUs; needs the ``ray`` extra).
-        ray_address: with backend="ray", the cluster to run on; default RAY_ADDRESS, else
-            a local cluster started for the launch and shut down after it.
+        backend: "auto" (by the hardware), "local" (processes of this machine), "xla"
+            (TPU cores, through torch_xla) or "ray" (Ray actors, one GPU each where there
+            are GPUs; needs the ``ray`` extra), or any backend registered with
+            :func:`notebook_launcher.launcher.backends.register`.
+        backend_options: the chosen backend's own keyword arguments, such as
+            ``ray_address`` with backend="ray": the cluster to run on (default
+            RAY_ADDRESS, else a local cluster started for the launch and shut down after
+            it). A keyword that is neither an argument nor an option of a backend raises
+            :class:`~notebook_launcher.errors.LaunchTypeError` (a TypeError).
         keep_result_devices: keep tensors in the return values on the device they were
             made on; by default they come back on the CPU, so that a result never
             initialises CUDA in the kernel.
@@ -83,7 +88,7 @@ def notebook_launcher(
         rdzv_id=rdzv_id, max_restarts=max_restarts, monitor_interval=monitor_interval,
         log_line_prefix_template=log_line_prefix_template, hardware=hardware,
         start_method=start_method, timeout=timeout, return_all=return_all, output=output,
-        backend=backend, keep_result_devices=keep_result_devices, ray_address=ray_address,
+        backend=backend, keep_result_devices=keep_result_devices, backend_options=backend_options,
     )
     prepared = launch.prepare(function, args, kwargs, call)
     board = dashboard_observer(dashboard)

@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 from notebook_launcher import defaults as launch_defaults
 from notebook_launcher import hardware, rules
 from notebook_launcher.errors import LaunchConfigError, LaunchError
+from notebook_launcher.launcher import backends
 
 PROG = "notebook-launcher"
 EXIT_FAILED = 1
@@ -106,20 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
         "-n", "--num-processes", type=_positive_int, metavar="N",
         help="ranks to start (default: one per GPU, else 2 CPU ranks)",
     )
-    run.add_argument(
-        "--mixed-precision", choices=rules.PRECISIONS,
-        metavar="{" + ",".join(rules.PRECISIONS) + "}",
-        help="precision the training core (or accelerate) applies in each rank",
-    )
+    _add_choice(run, "--mixed-precision", rules.PRECISIONS,
+                "precision the training core (or accelerate) applies in each rank")
     run.add_argument(
         "--hardware", choices=rules.HARDWARE_CHOICES, default="auto",
         help="where ranks run (default: auto)",
     )
-    run.add_argument(
-        "--start-method", choices=rules.START_METHODS,
-        metavar="{" + ",".join(rules.START_METHODS) + "}",
-        help="how rank processes start (default: auto)",
-    )
+    _add_choice(run, "--start-method", rules.START_METHODS, "how rank processes start (default: auto)")
     run.add_argument(
         "--timeout", type=_positive_float, metavar="SECONDS",
         help="stop every rank and fail after this many seconds",
@@ -135,11 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-restarts", type=_whole, default=0, metavar="N",
         help="after a rank fails, restart every rank up to N times (default: 0)",
     )
-    run.add_argument(
-        "--backend", choices=rules.BACKENDS, default="auto",
-        help="what starts the ranks: local processes, or Ray actors (default: auto)",
-    )
-    run.add_argument("--ray-address", metavar="ADDRESS", help="with --backend ray: the cluster")
+    _add_backend_arguments(run)
     nodes = run.add_argument_group(
         "several machines", "run the same command on each machine, as with torchrun"
     )
@@ -158,6 +148,42 @@ def build_parser() -> argparse.ArgumentParser:
         help="address the store listens on (default: 127.0.0.1)",
     )
     return parser
+
+
+def _add_choice(run: argparse.ArgumentParser, flag: str, choices: Sequence[str], help: str) -> None:
+    """An option that takes one of ``choices``, each listed in --help."""
+    run.add_argument(flag, choices=choices, metavar="{" + ",".join(choices) + "}", help=help)
+
+
+def _add_backend_arguments(run: argparse.ArgumentParser) -> None:
+    """--backend, and each registered backend's own options (--ray-address)."""
+    known = backends.registered()
+    where = "; ".join(f"{name}: {b.description}" for name, b in known.items() if b.description)
+    run.add_argument(
+        "--backend", choices=backends.names(), default="auto",
+        help=f"what starts the ranks ({where}; default: auto, by the hardware)",
+    )
+    added: set[str] = set()
+    for backend in known.values():
+        for option in backend.options:
+            if option.name in added:
+                continue  # shared by several backends: one flag
+            added.add(option.name)
+            users = [b.name for b in known.values() if option in b.options]
+            run.add_argument(
+                "--" + option.name.replace("_", "-"), dest=option.name, metavar=option.metavar,
+                help=f"with --backend {' or '.join(users)}: {option.help}",
+            )
+
+
+def _backend_options(arguments: argparse.Namespace) -> dict[str, Any]:
+    """The backends' options given on the command line (the others stay unset)."""
+    return {
+        option.name: getattr(arguments, option.name)
+        for backend in backends.registered().values()
+        for option in backend.options
+        if getattr(arguments, option.name, None) is not None
+    }
 
 
 def _number_type(
@@ -337,7 +363,6 @@ def _run(arguments: argparse.Namespace) -> int:
             output=arguments.output,
             max_restarts=arguments.max_restarts,
             backend=arguments.backend,
-            ray_address=arguments.ray_address,
             num_nodes=arguments.num_nodes,
             node_rank=arguments.node_rank,
             rdzv_backend=arguments.rdzv_backend,
@@ -345,6 +370,7 @@ def _run(arguments: argparse.Namespace) -> int:
             rdzv_id=arguments.rdzv_id,
             rdzv_conf=arguments.rdzv_conf,
             master_addr=arguments.master_addr,
+            **_backend_options(arguments),
         )
     except LaunchConfigError as error:
         raise _UsageError(_one_line(str(error))) from error

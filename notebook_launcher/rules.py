@@ -21,9 +21,6 @@ PRECISIONS = ("no", "fp16", "bf16", "fp8")
 START_METHODS = ("auto", "fork", "forkserver", "spawn")
 OUTPUT_MODES = ("all", "main", "none")
 HARDWARE_CHOICES = ("auto", "cpu", "cuda", "tpu", "mps")
-# What a user passes as ``backend=``: "local" runs the ranks as processes of this machine
-# (or of each machine of a multi-node launch), "ray" places them on a Ray cluster.
-BACKENDS = ("auto", "local", "ray")
 
 def canonical(value: object) -> object:
     """A choice as the rules name it: "BF16 " and "bf16" are the same precision everywhere."""

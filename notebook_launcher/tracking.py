@@ -56,11 +56,6 @@ def add_progress_sink(sink: ProgressSink) -> None:
         _progress_sinks.append(sink)
 
 
-def remove_progress_sink(sink: ProgressSink) -> None:
-    if sink in _progress_sinks:
-        _progress_sinks.remove(sink)
-
-
 def has_progress_sink() -> bool:
     return bool(_progress_sinks)
 

@@ -26,6 +26,7 @@ os.environ["JUPYTER_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="notebook-launcher-t
 BROWSER_TESTS = Path(__file__).parent / "browser"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Which tests must share a pytest-xdist worker (``--dist loadgroup``, as ``make test``
     runs them): the browser tests (one Jupyter server and one chromium), the Ray tests (one

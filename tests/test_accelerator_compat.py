@@ -22,8 +22,8 @@ from notebook_launcher.accelerator import (
     MissingDependencyError,
     TrackerError,
 )
+from notebook_launcher.accelerator.data_sharding import SeedableRandomSampler, ShardedBatchSampler
 from notebook_launcher.accelerator.precision import PrecisionPlan, patch_forward_with_autocast
-from notebook_launcher.accelerator.sharding import SeedableRandomSampler, ShardedBatchSampler
 from tests.accelerator_support import plain_process  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("plain_process")

@@ -17,13 +17,13 @@ from torch.utils.data import (
 
 from notebook_launcher.accelerator import Accelerator, DataLoaderConfiguration, ShardingError
 from notebook_launcher.accelerator.data import DataLoaderShard, prepare_data_loader
-from notebook_launcher.accelerator.gradient_state import GradientState
-from notebook_launcher.accelerator.sharding import (
+from notebook_launcher.accelerator.data_sharding import (
     IterableDatasetShard,
     SeedableRandomSampler,
     ShardedBatchSampler,
 )
-from notebook_launcher.accelerator.state import RankState
+from notebook_launcher.accelerator.gradient_state import GradientState
+from notebook_launcher.accelerator.rank_state import RankState
 from tests.accelerator_support import plain_process  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("plain_process")

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from notebook_launcher import hardware
 from notebook_launcher.accelerator import Accelerator, DistributedType, RankEnvironmentError
-from notebook_launcher.accelerator.state import (
+from notebook_launcher.accelerator.rank_state import (
     RankState,
     choose_device_kind,
     device_for,

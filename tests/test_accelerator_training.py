@@ -20,7 +20,7 @@ from notebook_launcher.accelerator import (
     set_seed,
     tqdm,
 )
-from notebook_launcher.accelerator.processes import split_between
+from notebook_launcher.accelerator.accelerator_state import split_between
 from tests.accelerator_support import SCRIPTS, plain_process  # noqa: F401
 
 sys.path.insert(0, str(SCRIPTS))

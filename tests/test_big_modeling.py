@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from notebook_launcher import big_modeling as bm
-from notebook_launcher.accelerator.saving import write_model
+from notebook_launcher.accelerator.model_files import write_model
 from notebook_launcher.big_modeling import device_map as device_map_module
 from notebook_launcher.big_modeling.sizes import parse_budget
 from notebook_launcher.errors import (

@@ -101,7 +101,7 @@ def test_a_cpu_rank_count_past_the_limit_is_refused_up_front() -> None:
         ("timeout", float("nan"), LaunchConfigError, "timeout must be a positive number of seconds; got nan. Pass e.g. timeout=600, or leave it None for no limit."),
         ("return_all", "yes", LaunchTypeError, "return_all must be True or False; got str 'yes'."),
         ("keep_result_devices", None, LaunchTypeError, "keep_result_devices must be True or False; got NoneType None."),
-        ("backend", "slurm", LaunchConfigError, "backend='slurm' is not known; use one of 'auto', 'local', 'ray' ('auto' picks by the hardware)."),
+        ("backend", "slurm", LaunchConfigError, "backend='slurm' is not known; use one of 'auto', 'local', 'xla', 'ray' ('auto' picks by the hardware)."),
         ("master_addr", "", LaunchTypeError, "master_addr must be a host name or IP address such as '127.0.0.1'; got ''."),
     ],
 )

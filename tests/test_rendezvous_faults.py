@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -305,3 +306,48 @@ def test_a_stranger_writing_the_closing_key_does_not_stop_machines_with_a_secret
         host.wait()
     assert tagged(subprocess.CompletedProcess([], 0, stdout, stderr), "RESULT") == 2
     assert tagged(other, "RESULT") == 2
+
+
+def test_at_the_c10d_first_check_the_host_keeps_its_store_until_the_other_machine_refused_too(leak_check):
+    """The host reads both machines' announcements and refuses; the other machine, a moment
+    behind, must still find the store and refuse with the values, not with a store gone."""
+    import json
+
+    from notebook_launcher.launcher.rendezvous import NodeRendezvous, RendezvousConfig
+
+    endpoint = f"127.0.0.1:{free_port()}"
+
+    def machine(node_rank: int, precision: str) -> NodeRendezvous:
+        config = RendezvousConfig(
+            backend="c10d", num_nodes=2, node_rank=node_rank, endpoint=endpoint, run_id="held",
+            conf={"is_host": node_rank == 0, "join_timeout": 60},
+        )
+        return NodeRendezvous(config, "127.0.0.1", None, 1, fingerprint={"mixed_precision": precision})
+
+    host, late = machine(0, "bf16"), machine(1, "no")
+    announced = "held/attempt0/machines"
+    late._keys.append(announced, json.dumps(late._me) + "\n")  # announced, not yet read
+    refusals: dict[str, BaseException] = {}
+
+    def host_round() -> None:
+        try:
+            host.next_round(0)
+        except BaseException as error:
+            refusals["host"] = error
+        finally:
+            host.close()  # as a launch does at once after its rendezvous failed
+
+    thread = threading.Thread(target=host_round)
+    thread.start()
+    try:
+        # The late machine reads once the host has refused (and, before it was held, closed).
+        safety = time.monotonic() + 60
+        while thread.is_alive() and not late._keys.check([f"{announced}/refused"]):
+            assert time.monotonic() < safety, "the host neither refused nor ended"
+            time.sleep(0.01)
+        with pytest.raises(RendezvousError, match=r"disagree on mixed_precision: node_rank=0 .* has mixed_precision='bf16', node_rank=1 .* has mixed_precision='no'"):
+            late.next_round(0)
+    finally:
+        late.close()
+        thread.join(60)
+    assert "disagree on mixed_precision" in str(refusals["host"])

@@ -18,7 +18,7 @@ from notebook_launcher.launcher.events import (
 )
 from notebook_launcher.widgets import history
 from notebook_launcher.widgets.plot import render_svg
-from notebook_launcher.widgets.record import LaunchRecord, clean_text
+from notebook_launcher.widgets.record import DashboardRecord, clean_text
 from notebook_launcher.widgets.static import record_html
 from notebook_launcher.widgets.text import TextDashboard
 from tests.metric_events import logged
@@ -41,8 +41,8 @@ def fresh_history():
 
 def launched(
     metrics: list[tuple[int, dict[str, float], int | None]], ranks: int = 2
-) -> LaunchRecord:
-    record = LaunchRecord()
+) -> DashboardRecord:
+    record = DashboardRecord()
     record.apply(LaunchStarted(ranks, "fork", "cpu", "no", None))
     for rank in range(ranks):
         record.apply(RankStarted(rank, 100 + rank, "cpu"))

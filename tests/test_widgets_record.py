@@ -22,7 +22,7 @@ from notebook_launcher.widgets import html as views
 from notebook_launcher.widgets.record import (
     METRICS_KEPT,
     POINTS_KEPT,
-    LaunchRecord,
+    DashboardRecord,
     failure_line,
     record_data,
 )
@@ -53,7 +53,7 @@ def failure(rank=1, **fields) -> RankFailure:
 
 def test_rows_go_from_starting_to_running_to_their_final_state_with_times():
     clock = Clock()
-    record = LaunchRecord(clock)
+    record = DashboardRecord(clock)
     record.apply(LaunchStarted(2, "fork", "cpu", "no", None))
     assert [row.state for row in record.rows.values()] == ["starting", "starting"]
     record.apply(RankStarted(0, 1000, "cpu"))
@@ -70,7 +70,7 @@ def test_rows_go_from_starting_to_running_to_their_final_state_with_times():
 
 def test_rows_count_time_from_the_launchs_start_before_their_rank_process_exists():
     clock = Clock()
-    record = LaunchRecord(clock)
+    record = DashboardRecord(clock)
     record.apply(LaunchStarted(2, "forkserver", "cpu", "no", None))
     clock.now += 3.0  # the kernel imports torch, a forkserver starts: no rank process yet
     assert [(row.state, row.elapsed(clock.now)) for row in record.rows.values()] == [("starting", 3.0)] * 2
@@ -85,7 +85,7 @@ def test_rows_count_time_from_the_launchs_start_before_their_rank_process_exists
 
 def test_a_restarted_rank_runs_on_with_its_time_moving():
     clock = Clock()
-    record = LaunchRecord(clock)
+    record = DashboardRecord(clock)
     started(record, clock)
     clock.now += 1.0
     record.apply(RankFinished(1, 1, failure(), "failed"))
@@ -97,14 +97,14 @@ def test_a_restarted_rank_runs_on_with_its_time_moving():
 
 
 def test_ranks_stopped_by_the_launcher_are_stopped_not_failed():
-    record = LaunchRecord(Clock())
+    record = DashboardRecord(Clock())
     started(record, None)
     record.apply(RankFinished(0, -15, None, "stopped"))
     assert record.rows[0].state == "stopped"
 
 
 def test_an_interrupted_launch_leaves_no_rank_running():
-    record = LaunchRecord(Clock())
+    record = DashboardRecord(Clock())
     started(record, None)
     record.apply(LaunchFinished("interrupted", 3.0))
     assert {row.state for row in record.rows.values()} == {"stopped"}
@@ -117,7 +117,7 @@ def test_a_crash_without_exception_says_how_the_rank_ended():
 
 
 def test_core_progress_wins_over_a_printed_bar_of_the_same_rank():
-    record = LaunchRecord(Clock())
+    record = DashboardRecord(Clock())
     started(record, None)
     record.apply(OutputLine(0, "stderr", " 10%|#         | 10/100 [00:01<00:09, 9.9it/s]", True))
     assert (record.rows[0].progress.n, record.rows[0].progress.total) == (10, 100)
@@ -128,7 +128,7 @@ def test_core_progress_wins_over_a_printed_bar_of_the_same_rank():
 
 
 def test_a_bars_final_line_counts_as_output_but_not_as_the_last_line():
-    record = LaunchRecord(Clock())
+    record = DashboardRecord(Clock())
     started(record, None)
     final = "100%|##########| 40/40 [00:00<00:00, 97.2it/s]"
     record.apply(OutputLine(1, "stderr", final, False))
@@ -140,7 +140,7 @@ def test_a_bars_final_line_counts_as_output_but_not_as_the_last_line():
 
 
 def test_metrics_become_one_curve_per_rank_and_metric_bounded_in_size():
-    record = LaunchRecord(Clock())
+    record = DashboardRecord(Clock())
     started(record, None)
     for step in range(3 * POINTS_KEPT):
         record.apply(logged(0, {"loss": 1 / (step + 1), "lr": 0.1}, step))
@@ -157,7 +157,7 @@ def test_metrics_become_one_curve_per_rank_and_metric_bounded_in_size():
 
 def test_the_text_summary_has_every_rank_state_time_and_error():
     clock = Clock()
-    record = LaunchRecord(clock)
+    record = DashboardRecord(clock)
     started(record, clock)
     record.apply(OutputLine(0, "stdout", "epoch 4: loss 0.01", False))
     record.apply(logged(0, {"loss": 0.0123456}, 4))
@@ -176,7 +176,7 @@ def test_the_text_summary_has_every_rank_state_time_and_error():
 
 
 def test_the_html_rows_mark_states_and_highlight_the_failing_rank():
-    record = LaunchRecord(Clock())
+    record = DashboardRecord(Clock())
     started(record, None)
     record.apply(OutputLine(0, "stdout", "<b>not markup</b>", False))
     record.apply(RankProgress(0, 5, 10, ""))
@@ -192,7 +192,7 @@ def test_the_html_rows_mark_states_and_highlight_the_failing_rank():
 def test_the_text_dashboard_prints_status_at_most_once_an_interval_then_the_summary():
     clock, out = Clock(), io.StringIO()
     board = TextDashboard(stream=out, interval=10.0)
-    board.record = LaunchRecord(clock)
+    board.record = DashboardRecord(clock)
     board.on_event(LaunchStarted(1, "fork", "cpu", "no", None))
     board.on_event(RankStarted(0, 1000, "cpu"))
     for step in range(1000):  # 1,000 metrics in 25 s
@@ -246,7 +246,7 @@ def metric_streams() -> dict[str, list[RankMetrics]]:
     return {"plain": plain, "no step": no_step, "mixed": mixed, "alike": alike, "per call": per_call}
 
 
-def kept(record: LaunchRecord) -> str:
+def kept(record: DashboardRecord) -> str:
     """Everything the record keeps of metrics, NaN included (as text: nan is not nan)."""
     curves = [
         (key, list(c.steps), list(c.values), c.calls, c.stride, c.nonfinite, c.nonfinite_calls, c.last)
@@ -259,11 +259,11 @@ def kept(record: LaunchRecord) -> str:
 @pytest.mark.parametrize("stream", ["plain", "no step", "mixed", "alike", "per call"])
 def test_metrics_taken_in_batches_keep_what_one_by_one_keeps(stream):
     events = metric_streams()[stream]
-    alone = LaunchRecord(Clock())
+    alone = DashboardRecord(Clock())
     for event in events:
         alone.apply(event)
     for size in (2, 16, 256, 1000, 5000):
-        batched = LaunchRecord(Clock())
+        batched = DashboardRecord(Clock())
         for batch in in_batches(events, size):
             batched.apply(batch)
         assert kept(batched) == kept(alone), size
@@ -274,7 +274,7 @@ def test_a_metric_name_made_per_call_keeps_a_bounded_record_and_says_what_it_lef
     from notebook_launcher.widgets.static import record_html
 
     clock = Clock()
-    record = LaunchRecord(clock)
+    record = DashboardRecord(clock)
     started(record, clock)
     calls = METRICS_KEPT + 5000
     for batch in in_batches(metric_streams()["per call"][:2] + [
@@ -295,7 +295,7 @@ def test_a_metric_name_made_per_call_keeps_a_bounded_record_and_says_what_it_lef
 
 def test_each_rank_peak_memory_is_a_column_of_the_text_html_and_data():
     clock = Clock()
-    record = LaunchRecord(clock)
+    record = DashboardRecord(clock)
     started(record, clock)
     record.apply(RankMemory(0, "rss", 120_000_000, 100_000_000, "cpu"))
     record.apply(RankMemory(0, "rss", 338_952_192, 330_000_000, "cpu"))  # the peak grew
@@ -319,7 +319,7 @@ def test_each_rank_peak_memory_is_a_column_of_the_text_html_and_data():
 
 
 def test_a_rank_that_never_reported_memory_shows_a_dash():
-    record = LaunchRecord(Clock())
+    record = DashboardRecord(Clock())
     started(record, None, ranks=1)
     assert record_data(record)["ranks"][0]["peak_memory"] is None
     assert summary(record, 0.0).splitlines()[2].split()[6] == "-"  # after "elapsed" (2 words)

@@ -25,7 +25,7 @@ from notebook_launcher.accelerator.operations import (
     reduce,
     send_to_device,
 )
-from notebook_launcher.accelerator.state import DistributedType
+from notebook_launcher.accelerator.rank_state import DistributedType
 from notebook_launcher.accelerator.trackers import GeneralTracker, TensorBoardTracker
 from notebook_launcher.accelerator.utils import set_seed, tqdm
 from notebook_launcher.errors import (

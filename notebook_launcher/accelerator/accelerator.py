@@ -43,15 +43,15 @@ from notebook_launcher.accelerator.kwargs import (
 )
 from notebook_launcher.accelerator.lifecycle import Lifecycle
 from notebook_launcher.accelerator.memory import memory_summary
+from notebook_launcher.accelerator.model_files import Saving
 from notebook_launcher.accelerator.optimizer import AcceleratedOptimizer
-from notebook_launcher.accelerator.saving import Saving
-from notebook_launcher.accelerator.scheduler import AcceleratedScheduler
-from notebook_launcher.accelerator.state import (
+from notebook_launcher.accelerator.rank_state import (
     DistributedType,
     choose_distributed_type,
     init_process_group_if_needed,
     read_rank_state,
 )
+from notebook_launcher.accelerator.scheduler import AcceleratedScheduler
 from notebook_launcher.accelerator.trackers import GeneralTracker, resolve_log_with, start_trackers
 from notebook_launcher.accelerator.utils import tqdm as _tqdm
 from notebook_launcher.accelerator.wrappers import unwrap

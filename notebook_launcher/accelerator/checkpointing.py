@@ -25,11 +25,12 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
-from notebook_launcher.accelerator import fsdp, saving
+from notebook_launcher.accelerator import fsdp
 from notebook_launcher.accelerator.wrappers import unwrap
 from notebook_launcher.errors import CheckpointError
 
@@ -89,6 +90,8 @@ class Checkpointing:
     _schedulers: list[AcceleratedScheduler]
     _dataloaders: list[DataLoaderShard]
     _custom_objects: list[Any]
+    _save_state_pre_hooks: dict[int, Callable[..., None]]
+    _load_state_pre_hooks: dict[int, Callable[..., None]]
 
     @staticmethod
     def make_project_configuration(
@@ -170,7 +173,7 @@ class Checkpointing:
         )
         weights = self._full_weights()  # a collective under FSDP2: every rank takes part
         hooks = getattr(self, "_save_state_pre_hooks", {})
-        weights = saving.run_save_hooks(hooks, self._models, weights, target)
+        weights = _run_save_hooks(hooks, self._models, weights, target)
         if writer:
             self._save_shared(target, weights, safe_serialization)
         rank = self.state.process_index
@@ -293,7 +296,7 @@ class Checkpointing:
                 "Accelerator with ProjectConfiguration(automatic_checkpoint_naming=True)."
             )
         hooks = getattr(self, "_load_state_pre_hooks", {})
-        self._load_shared(source, saving.run_load_hooks(hooks, self._models, source))
+        self._load_shared(source, _run_load_hooks(hooks, self._models, source))
         self._load_rank_states(source)
         self._load_gradients(source)
 
@@ -321,7 +324,7 @@ class Checkpointing:
         for i, scheduler in enumerate(self._schedulers):
             path = source / _indexed("scheduler", i, ".bin")
             scheduler.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
-        positions = saving.loader_states(source, len(self._dataloaders), self.state.process_index)
+        positions = _loader_states(source, len(self._dataloaders), self.state.process_index)
         for loader, position in zip(self._dataloaders, positions):
             loader.load_state_dict(position)
         if self.scaler is not None and (source / "scaler.pt").exists():
@@ -367,8 +370,92 @@ class Checkpointing:
             return dataloader.skipping(num_batches)
         return skip_plain_loader(dataloader, num_batches)
 
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """``hook(models, weights, output_dir)`` runs in ``save_state`` before anything is written.
+
+        ``weights`` holds each prepared model's state dict; removing an entry
+        (``weights.pop()``) leaves that model out of the default saving, so the hook can
+        save it its own way. Returns a handle whose ``remove()`` unregisters the hook.
+        """
+        handle = RemovableHandle(self._save_state_pre_hooks)
+        self._save_state_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """``hook(models, input_dir)`` runs in ``load_state`` before anything is read.
+
+        Removing a model from ``models`` (``models.pop()``) leaves it out of the default
+        loading. Returns a handle whose ``remove()`` unregisters the hook.
+        """
+        handle = RemovableHandle(self._load_state_pre_hooks)
+        self._load_state_pre_hooks[handle.id] = hook
+        return handle
+
 
 def _safetensors_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("safetensors") is not None
+
+
+def _run_save_hooks(
+    hooks: dict[int, Callable[..., None]],
+    models: list[torch.nn.Module],
+    weights: tuple[list[Any], list[dict[str, Any]]],
+    output_dir: str | os.PathLike[str],
+) -> tuple[list[Any], list[dict[str, Any]]]:
+    """Call the save hooks; the models whose state dicts a hook removed are not saved."""
+    if not hooks:
+        return weights
+    to_save, optimizers = weights
+    state_dicts = [m.state_dict() if isinstance(m, torch.nn.Module) else m for m in to_save]
+    kept = list(state_dicts)
+    for hook in list(hooks.values()):
+        hook(models, kept, os.fspath(output_dir))
+    remaining = [
+        item for item, sd in zip(to_save, state_dicts) if any(sd is k for k in kept)
+    ]
+    return remaining, optimizers
+
+
+def _run_load_hooks(
+    hooks: dict[int, Callable[..., None]],
+    models: list[torch.nn.Module],
+    input_dir: str | os.PathLike[str],
+) -> list[torch.nn.Module]:
+    """Call the load hooks on a copy of the model list; returns the models left to load."""
+    remaining = list(models)
+    for hook in list(hooks.values()):
+        hook(remaining, os.fspath(input_dir))
+    return remaining
+
+
+def _loader_states(source: Path, count: int, rank: int) -> list[dict[str, Any]]:
+    """The saved positions of ``count`` prepared loaders (``sampler.bin``, ``sampler_1.bin``, ...).
+
+    The main process writes them; every rank gets rank 0's copy, so ranks whose folders
+    are not shared (each its own temporary folder) resume at the same position as well.
+    """
+    from notebook_launcher.accelerator import operations
+
+    def read() -> list[dict[str, Any]]:
+        names = ["sampler.bin"] + [f"sampler_{i}.bin" for i in range(1, count)]
+        return [torch.load(source / n, map_location="cpu", weights_only=False) for n in names[:count]]
+
+    if count == 0:
+        return []
+    if not operations.is_distributed():
+        return read()
+    shared: list[Any] = [None]
+    if rank == 0:
+        try:
+            shared[0] = read()
+        except FileNotFoundError as e:
+            shared[0] = e
+    operations.broadcast_object_list(shared, from_process=0)
+    if isinstance(shared[0], BaseException):
+        raise CheckpointError(
+            f"load_state({os.fspath(source)!r}): rank 0 found no saved loader position there "
+            f"({shared[0]}); pass the folder save_state wrote."
+        ) from shared[0]
+    return list(shared[0])

@@ -2,7 +2,7 @@
 
 ``prepare`` rebuilds the user's ``DataLoader`` around the same data set, collate
 function and worker settings, with a batch sampler (or iterable data set) that yields
-only this rank's share (see ``sharding``). The returned loader is still a
+only this rank's share (see ``data_sharding``). The returned loader is still a
 ``torch.utils.data.DataLoader``.
 """
 
@@ -19,16 +19,16 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from torch.utils.data.distributed import DistributedSampler
 
 from notebook_launcher.accelerator import xla
-from notebook_launcher.accelerator.dispatch import BatchDispatcher
-from notebook_launcher.accelerator.gradient_state import GradientState
-from notebook_launcher.accelerator.operations import broadcast, send_to_device
-from notebook_launcher.accelerator.sharding import (
+from notebook_launcher.accelerator.data_sharding import (
     IterableDatasetShard,
     SeedableRandomSampler,
     ShardedBatchSampler,
     SkipBatches,
 )
-from notebook_launcher.accelerator.state import RankState
+from notebook_launcher.accelerator.dispatch import BatchDispatcher
+from notebook_launcher.accelerator.gradient_state import GradientState
+from notebook_launcher.accelerator.operations import broadcast, send_to_device
+from notebook_launcher.accelerator.rank_state import RankState
 from notebook_launcher.errors import ShardingError
 
 
@@ -378,24 +378,31 @@ def prepare_data_loader(
     )
 
 
-def _prepare_dispatched(
-    loader: DataLoader,
-    state: RankState,
-    config: DataLoaderConfiguration,
-    common: dict[str, Any],
-) -> DataLoaderShard:
+def _batch_size(loader: DataLoader, state: RankState, config: DataLoaderConfiguration, unbatched: str) -> int:
+    """The loader's batch size, which its batches are split by (``unbatched``: why None fails)."""
     batch_size = loader.batch_size
     if batch_size is None:
-        raise ShardingError(
-            "dispatch_batches=True splits the loader's batches between the ranks, but this "
-            "DataLoader has batch_size=None (no batching); give it a batch_size."
-        )
+        raise ShardingError(unbatched)
     if config.split_batches and batch_size % state.world_size:
         raise ShardingError(
             f"split_batches=True cuts each batch of the loader into {state.world_size} parts "
             f"(one per rank), but its batch_size is {batch_size}; use a batch_size divisible "
             f"by {state.world_size}, or split_batches=False."
         )
+    return batch_size
+
+
+def _prepare_dispatched(
+    loader: DataLoader,
+    state: RankState,
+    config: DataLoaderConfiguration,
+    common: dict[str, Any],
+) -> DataLoaderShard:
+    batch_size = _batch_size(
+        loader, state, config,
+        "dispatch_batches=True splits the loader's batches between the ranks, but this "
+        "DataLoader has batch_size=None (no batching); give it a batch_size.",
+    )
     dispatcher = BatchDispatcher(
         rank=state.rank,
         world_size=state.world_size,
@@ -422,12 +429,11 @@ def _prepare_iterable(
     config: DataLoaderConfiguration,
     common: dict[str, Any],
 ) -> DataLoaderShard:
-    batch_size = loader.batch_size
-    if batch_size is None:
-        raise ShardingError(
-            "This DataLoader over an IterableDataset has batch_size=None, so it cannot be "
-            "split into per-rank batches; give it a batch_size."
-        )
+    batch_size = _batch_size(
+        loader, state, config,
+        "This DataLoader over an IterableDataset has batch_size=None, so it cannot be "
+        "split into per-rank batches; give it a batch_size.",
+    )
     if state.world_size == 1:
         return DataLoaderShard(
             loader.dataset,
@@ -436,12 +442,6 @@ def _prepare_iterable(
             shard=None,
             total_batch_size=batch_size,
             **common,
-        )
-    if config.split_batches and batch_size % state.world_size:
-        raise ShardingError(
-            f"split_batches=True cuts each batch of the loader into {state.world_size} parts "
-            f"(one per rank), but its batch_size is {batch_size}; use a batch_size divisible "
-            f"by {state.world_size}, or split_batches=False."
         )
     shard = IterableDatasetShard(
         loader.dataset,

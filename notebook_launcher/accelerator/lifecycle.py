@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from notebook_launcher.accelerator.kwargs import ProfileKwargs
-from notebook_launcher.accelerator.state import DistributedType
+from notebook_launcher.accelerator.rank_state import DistributedType
 
 if TYPE_CHECKING:
     from notebook_launcher.accelerator.accelerator_state import AcceleratorState
@@ -73,7 +73,7 @@ class Lifecycle:
             return
         from torch.distributed.algorithms.join import Join
 
-        from notebook_launcher.accelerator.sharding import ShardedBatchSampler
+        from notebook_launcher.accelerator.data_sharding import ShardedBatchSampler
 
         restore: list[tuple[ShardedBatchSampler, bool]] = []
         if even_batches is not None:

@@ -10,7 +10,7 @@ import contextlib
 import math
 import numbers
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from notebook_launcher import rules
@@ -105,22 +105,6 @@ def check_scale_out(
     }
 
 
-def check_ray_address(address: Any, backend: str) -> str | None:
-    if address is None:
-        return None
-    if not isinstance(address, str) or not address.strip():
-        raise LaunchTypeError(
-            f"ray_address must be the address of a Ray cluster such as 'ray://10.0.0.1:10001' "
-            f"or 'auto'; got {address!r}."
-        )
-    if backend != "ray":
-        raise LaunchConfigError(
-            f"ray_address={address!r} is only used with backend='ray'; pass backend='ray' to "
-            "run the ranks on that cluster, or leave ray_address unset."
-        )
-    return address.strip()
-
-
 def _whole_number(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise LaunchTypeError(f"{name} must be a whole number; got {type(value).__name__} {value!r}.")
@@ -135,15 +119,22 @@ def _number(value: Any) -> Any:
     return value
 
 
+def unknown_choice(argument: str, value: Any, choices: Sequence[Any], note: str = "") -> str:
+    """The message for a value that is none of ``choices``; ``note`` ends it, after them."""
+    return f"{argument}={value!r} is not known; use one of {', '.join(map(repr, choices))}{note}."
+
+
+def check_choice(argument: str, value: Any, choices: Sequence[Any], note: str = "") -> str:
+    """``value`` as the rules spell it ("BF16 " is "bf16"), if it is one of ``choices``."""
+    name = rules.canonical(value)
+    if not isinstance(name, str) or name not in choices:
+        raise LaunchConfigError(unknown_choice(argument, value, choices, note))
+    return name
+
+
 def resolve_accelerator(hardware: Any, report: HardwareReport) -> str:
-    name = rules.canonical(hardware)
-    if name not in rules.HARDWARE_CHOICES:
-        raise LaunchConfigError(
-            f"hardware={hardware!r} is not known; use one of "
-            + ", ".join(repr(h) for h in rules.HARDWARE_CHOICES)
-            + "."
-        )
-    accelerator = report.accelerator if name == "auto" else str(name)
+    name = check_choice("hardware", hardware, rules.HARDWARE_CHOICES)
+    accelerator = report.accelerator if name == "auto" else name
     if accelerator == "cuda" and not report.gpus:
         raise LaunchConfigError(
             "hardware='cuda' but no NVIDIA GPU was found (nvidia-smi lists none). "
@@ -155,20 +146,6 @@ def resolve_accelerator(hardware: Any, report: HardwareReport) -> str:
             "Use hardware='cpu' or 'auto'."
         )
     return accelerator
-
-
-def resolve_backend(backend: Any, accelerator: str) -> str:
-    """The backend module that starts the ranks: the user's choice, else by the device."""
-    name = rules.canonical(backend)
-    if name not in rules.BACKENDS:
-        raise LaunchConfigError(
-            f"backend={backend!r} is not known; use one of "
-            + ", ".join(repr(b) for b in rules.BACKENDS)
-            + " ('auto' picks by the hardware)."
-        )
-    if name == "auto":
-        return "xla" if accelerator == "tpu" else "local"
-    return str(name)
 
 
 def check_num_processes(value: Any, accelerator: str, report: HardwareReport) -> int:
@@ -189,14 +166,7 @@ def check_num_processes(value: Any, accelerator: str, report: HardwareReport) ->
 def check_mixed_precision(value: Any, accelerator: str, report: HardwareReport) -> str:
     if value is None:
         return "no"
-    name = rules.canonical(value)
-    if name not in rules.PRECISIONS:
-        raise LaunchConfigError(
-            f"mixed_precision={value!r} is not known; use one of "
-            + ", ".join(repr(p) for p in rules.PRECISIONS)
-            + "."
-        )
-    precision = str(name)
+    precision = check_choice("mixed_precision", value, rules.PRECISIONS)
     reason = rules.precision_support(report, accelerator)[precision]
     if reason is not None:
         raise LaunchConfigError(f"mixed_precision={precision!r} cannot run here: {reason}.")

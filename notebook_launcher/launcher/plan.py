@@ -10,87 +10,17 @@ layer it came from; a value given in the call never blames the defaults.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 from notebook_launcher.defaults import EffectiveDefaults
 from notebook_launcher.errors import LaunchConfigError, LaunchTypeError
 from notebook_launcher.hardware import HardwareReport
-from notebook_launcher.launcher import options
-from notebook_launcher.launcher.start_method import (
-    KernelState,
-    StartMethodChoice,
-    choose_start_method,
-)
+from notebook_launcher.launcher import backends, options
+from notebook_launcher.launcher.plan_types import LaunchCall, LaunchPlan
+from notebook_launcher.launcher.start_method import KernelState, choose_start_method
 
-_NO_CONF: Mapping[str, Any] = types.MappingProxyType({})
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchCall:
-    """The arguments of one ``notebook_launcher()`` call, as given (nothing checked yet)."""
-
-    num_processes: Any = None
-    mixed_precision: Any = None
-    use_port: Any = None
-    master_addr: Any = "127.0.0.1"
-    node_rank: Any = 0
-    num_nodes: Any = 1
-    rdzv_backend: Any = "static"
-    rdzv_endpoint: Any = ""
-    rdzv_conf: Any = None
-    rdzv_id: Any = "none"
-    max_restarts: Any = 0
-    monitor_interval: Any = 0.1
-    log_line_prefix_template: Any = None
-    hardware: Any = "auto"
-    start_method: Any = None
-    timeout: Any = None
-    return_all: Any = False
-    output: Any = "all"
-    backend: Any = "auto"
-    keep_result_devices: Any = False
-    ray_address: Any = None
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchPlan:
-    """Everything a backend and the rank group need; built only by :func:`resolve_plan`."""
-
-    backend: str  # the backend module: "local", "xla", "ray"
-    num_processes: int  # ranks on this machine (per node in a multi-node launch)
-    accelerator: str  # "cpu", "cuda", "tpu" or "mps"
-    mixed_precision: str
-    start: StartMethodChoice
-    master_addr: str
-    port: int | None  # None: the OS picks a free one
-    threads_per_rank: int | None
-    timeout: float | None
-    monitor_interval: float
-    output: str
-    prefix_template: str | None
-    return_all: bool
-    keep_result_devices: bool = False  # False: tensors in results come back on the CPU
-    num_nodes: int = 1
-    node_rank: int = 0
-    rdzv_backend: str = "static"
-    rdzv_endpoint: str = ""
-    rdzv_id: str = "none"
-    rdzv_conf: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _NO_CONF)
-    max_restarts: int = 0
-    ray_address: str | None = None  # backend="ray": the cluster to join (None: RAY_ADDRESS or a local one)
-
-    @property
-    def world_size(self) -> int:
-        return self.num_nodes * self.num_processes
-
-    def global_rank(self, local_rank: int) -> int:
-        return self.node_rank * self.num_processes + local_rank
-
-    def device(self, local_rank: int) -> str:
-        return f"cuda:{local_rank}" if self.accelerator == "cuda" else self.accelerator
+__all__ = ["LaunchCall", "LaunchPlan", "resolve_plan"]
 
 
 @contextlib.contextmanager
@@ -117,7 +47,8 @@ def resolve_plan(
     )
     chosen = defaults.values
     accelerator = options.resolve_accelerator(call.hardware, report)
-    backend = options.resolve_backend(call.backend, accelerator)
+    backend = backends.resolve(call.backend, accelerator)
+    backend_options = backends.check_options(backend, call.backend_options)
     with _blamed(defaults, "num_processes", call.num_processes):
         num = options.check_num_processes(
             chosen.num_processes if call.num_processes is None else call.num_processes,
@@ -149,7 +80,7 @@ def resolve_plan(
         prefix_template=options.check_prefix_template(call.log_line_prefix_template),
         return_all=options.check_flag("return_all", call.return_all),
         keep_result_devices=options.check_flag("keep_result_devices", call.keep_result_devices),
-        ray_address=options.check_ray_address(call.ray_address, backend),
+        backend_options=backend_options,
         **scale_out,
     )
 

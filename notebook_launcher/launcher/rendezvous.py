@@ -345,7 +345,7 @@ class NodeRendezvous:
         if self._handler is not None:
             announced = f"{config.run_id}/attempt{attempt}/machines"
             self._keys.append(announced, json.dumps(self._me) + "\n")
-            self._refuse_disagreement(_lines(self._keys.get(announced)))
+            self._refuse_disagreement(_lines(self._keys.get(announced)), self._keys, f"{announced}/refused")
             try:
                 with _no_shared_store_server():
                     info = self._handler.next_rendezvous()
@@ -391,11 +391,7 @@ class NodeRendezvous:
                 json.loads(store.get(f"machine/{r}")) for r in range(num_nodes)
                 if store.check([f"machine/{r}"])
             ]
-            try:
-                self._refuse_disagreement(machines)
-            except RendezvousError:
-                self._hold_store_for_refusals(store, len(machines))
-                raise
+            self._refuse_disagreement(machines, store, "refused")
             joined = tuple(m["group_rank"] for m in machines)
             missing = tuple(r for r in range(num_nodes) if r not in joined)
             if not missing:
@@ -417,19 +413,30 @@ class NodeRendezvous:
             )
             time.sleep(_RETRY_S)
 
-    def _hold_store_for_refusals(self, store: Any, joined: int) -> None:
+    def _refuse_disagreement(self, machines: list[dict[str, Any]], store: Any, refused_key: str) -> None:
+        """Refuse (RendezvousError) where the machines that joined disagree on what they
+        must agree on, after holding ``store`` for the others' refusals."""
+        problem = self._disagreement(machines)
+        if problem is not None:
+            self._hold_store_for_refusals(store, refused_key, machines)
+            raise RendezvousError(problem)
+
+    def _hold_store_for_refusals(self, store: Any, refused_key: str, machines: list[dict[str, Any]]) -> None:
         """Each machine that joined refuses too; the host keeps its store until they have
         (bounded), or a machine a moment behind would find the store gone instead of the
         values it disagrees with."""
+        # A machine is counted once, however many times its line was read.
+        joined = len({(m["host"], m["pid"], m["node_rank"]) for m in [*machines, self._me]})
         with contextlib.suppress(Exception):  # the refusal itself is what matters
-            store.add("refused", 1)
+            store.add(refused_key, 1)
             if not self._hosting:
                 return
             deadline = time.monotonic() + min(_REFUSAL_WAIT_S, max(0.0, self._clock.remaining()))
-            while store.add("refused", 0) < joined and time.monotonic() < deadline:
+            while store.add(refused_key, 0) < joined and time.monotonic() < deadline:
                 time.sleep(0.05)
 
-    def _refuse_disagreement(self, machines: list[dict[str, Any]]) -> None:
+    def _disagreement(self, machines: list[dict[str, Any]]) -> str | None:
+        """What the machines disagree on, in words; None where they agree."""
         me = self._me
         everyone = list(machines)
         if not any(m["pid"] == me["pid"] and m["host"] == me["host"] for m in everyone):
@@ -441,10 +448,11 @@ class NodeRendezvous:
                     f"node_rank={m['node_rank']} ({m['host']}, pid {m['pid']}) has {name}={m.get(name)!r}"
                     for m in everyone
                 )
-                raise RendezvousError(
+                return (
                     f"the machines of rdzv_id={self._config.run_id!r} disagree on {name}: {said}. "
                     f"Launch every machine with the same {name}."
                 )
+        return None
 
     def _c10d_failure(self, error: Exception, announced: str) -> RendezvousError:
         config = self._config

@@ -36,7 +36,7 @@ from notebook_launcher.launcher.events import (
 from notebook_launcher.widgets import history
 from notebook_launcher.widgets import html as views
 from notebook_launcher.widgets.plot import Drawn, render_svg
-from notebook_launcher.widgets.record import LaunchRecord
+from notebook_launcher.widgets.record import DashboardRecord
 from notebook_launcher.widgets.static import record_html
 from notebook_launcher.widgets.text import summary
 
@@ -74,8 +74,8 @@ class WidgetDashboard:
         import ipywidgets  # imported here: the launcher must import without it
 
         self._widgets: Any = ipywidgets
-        self.record = LaunchRecord(clock)
-        self.previous: LaunchRecord | None = None
+        self.record = DashboardRecord(clock)
+        self.previous: DashboardRecord | None = None
         self.box: Any = None
         self._handle: Any = None
         self._broken = False

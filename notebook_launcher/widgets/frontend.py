@@ -15,8 +15,6 @@ from typing import Any
 
 from notebook_launcher.errors import LaunchConfigError
 
-DASHBOARD_CHOICES = ("auto", True, False)
-
 
 def shell_kind() -> str:
     """"kernel" in a Jupyter kernel, "terminal" in terminal IPython, else "none"."""

@@ -10,21 +10,21 @@ import collections
 import threading
 from typing import Any
 
-from notebook_launcher.widgets.record import LaunchRecord, record_data
+from notebook_launcher.widgets.record import DashboardRecord, record_data
 
 KEPT = 20
 
-_records: collections.deque[LaunchRecord] = collections.deque(maxlen=KEPT)
+_records: collections.deque[DashboardRecord] = collections.deque(maxlen=KEPT)
 _lock = threading.Lock()
 
 
-def keep(record: LaunchRecord) -> None:
+def keep(record: DashboardRecord) -> None:
     with _lock:
         if record not in _records:
             _records.append(record)
 
 
-def previous() -> LaunchRecord | None:
+def previous() -> DashboardRecord | None:
     """The last launch kept, if it logged any metric."""
     with _lock:
         for record in reversed(_records):

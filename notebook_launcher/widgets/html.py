@@ -11,7 +11,7 @@ import html
 import itertools
 
 from notebook_launcher.widgets.plot import Drawn, rank_colour
-from notebook_launcher.widgets.record import LaunchRecord, RankRow
+from notebook_launcher.widgets.record import DashboardRecord, RankRow
 from notebook_launcher.widgets.text import format_seconds, headline, memory_text, shorten
 
 STATE_COLOURS = {
@@ -37,7 +37,7 @@ _DESCRIPTION_CHARS = 24
 _METRICS_SHOWN = 6
 
 
-def header_html(record: LaunchRecord, now: float) -> str:
+def header_html(record: DashboardRecord, now: float) -> str:
     mark, colour = OUTCOME_MARKS.get(record.outcome or "", ("✘", "#d62728"))
     if record.outcome is None:
         mark, colour = "●", "#1f77b4"
@@ -59,7 +59,7 @@ def header_html(record: LaunchRecord, now: float) -> str:
     return "".join(parts)
 
 
-def rows_html(record: LaunchRecord, now: float) -> str:
+def rows_html(record: DashboardRecord, now: float) -> str:
     cols = "".join(f'<col style="width: {width};">' for _, width in _COLUMNS)
     head = "".join(
         f'<th style="{_CELL} font-weight: 600; opacity: 0.7; white-space: nowrap;">{title}</th>'
@@ -183,7 +183,7 @@ def output_html(row: RankRow, lines: int) -> str:
     )
 
 
-def plot_caption(record: LaunchRecord, drawn: Drawn) -> str:
+def plot_caption(record: DashboardRecord, drawn: Drawn) -> str:
     """Under the plot, as HTML: what it shows, and what was logged but not kept."""
     note = record.metrics_note()
     return html.escape(f"{drawn.caption}; {note}" if note else drawn.caption)

@@ -31,7 +31,6 @@ from notebook_launcher.launcher.metric_batch import MetricBatch
 from notebook_launcher.shown_text import cut, cut_lines
 from notebook_launcher.widgets.progress_text import parse_progress_line
 
-RANK_STATES = ("starting", "running", "done", "failed", "stopped", "not started")
 FINAL_STATES = ("done", "failed", "stopped", "not started")
 OUTPUT_LINES_KEPT = 2000  # per rank; the cell's own output keeps everything
 # Past this many points per curve, every other point is dropped (and from then on only
@@ -200,7 +199,7 @@ class RankRow:
         return (self.ended_at if self.ended_at is not None else now) - self.started_at
 
 
-class LaunchRecord:
+class DashboardRecord:
     """Apply events with :meth:`apply`; read ``rows``, ``curves`` and the launch fields."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -414,7 +413,7 @@ def rank_state(event: RankFinished) -> str:
     return state[:40]
 
 
-def record_data(record: LaunchRecord) -> dict[str, Any]:
+def record_data(record: DashboardRecord) -> dict[str, Any]:
     """A finished (or running) launch as plain data: what ``launches()`` returns."""
     now = record.now()
     metrics: dict[str, dict[int, dict[str, list[float]]]] = {}

@@ -15,7 +15,7 @@ import html
 from notebook_launcher.shown_text import cut_lines
 from notebook_launcher.widgets.html import STATE_COLOURS, css_word, plot_caption
 from notebook_launcher.widgets.plot import Drawn, rank_colour
-from notebook_launcher.widgets.record import LaunchRecord, clean_text
+from notebook_launcher.widgets.record import DashboardRecord, clean_text
 from notebook_launcher.widgets.text import (
     format_seconds,
     headline,
@@ -29,7 +29,7 @@ _TRACEBACK_LINES = 60
 _CELL = ' style="padding: 2px 10px 2px 0; text-align: left; vertical-align: top;"'
 
 
-def record_html(record: LaunchRecord, drawn: Drawn | None, plot_problem: str | None = None) -> str:
+def record_html(record: DashboardRecord, drawn: Drawn | None, plot_problem: str | None = None) -> str:
     now = record.now()
     ok = record.outcome == "ok"
     mark = (

@@ -16,7 +16,7 @@ from typing import TextIO
 from notebook_launcher.launcher.events import LaunchEvent, LaunchFinished, LaunchStarted
 from notebook_launcher.rank_memory import format_bytes
 from notebook_launcher.widgets import history
-from notebook_launcher.widgets.record import LaunchRecord, RankRow
+from notebook_launcher.widgets.record import DashboardRecord, RankRow
 
 STATUS_INTERVAL_S = 10.0
 _LAST_LINE_WIDTH = 80
@@ -31,7 +31,7 @@ _OUTCOME_WORDS = {
 _PRECISION_WORDS = {"no": "fp32"}
 
 
-def headline(record: LaunchRecord, now: float) -> str:
+def headline(record: DashboardRecord, now: float) -> str:
     """``2 x cpu ranks, bf16, fork: running for 3.1 s`` (or how the launch ended)."""
     what = (
         f"{record.num_processes} x {record.accelerator} rank{'s' if record.num_processes != 1 else ''}, "
@@ -73,7 +73,7 @@ def detail_text(row: RankRow) -> str:
     return shorten(text, _LAST_LINE_WIDTH)
 
 
-def table(record: LaunchRecord, now: float) -> str:
+def table(record: DashboardRecord, now: float) -> str:
     """Every rank's row, in aligned columns under a header."""
     header = (
         "rank", "state", "device", "pid", "elapsed", "peak memory", "progress", "metrics",
@@ -94,7 +94,7 @@ def table(record: LaunchRecord, now: float) -> str:
     ).rstrip()
 
 
-def summary(record: LaunchRecord, now: float) -> str:
+def summary(record: DashboardRecord, now: float) -> str:
     return f"notebook_launcher: {headline(record, now)}\n{table(record, now)}"
 
 
@@ -123,7 +123,7 @@ class TextDashboard:
     def __init__(self, stream: TextIO | None = None, interval: float = STATUS_INTERVAL_S) -> None:
         self._stream = stream
         self._interval = interval
-        self.record = LaunchRecord()
+        self.record = DashboardRecord()
         self._last_status = 0.0
         self._reported = (0, 0)  # (progress, curves) versions last shown in a status line
 

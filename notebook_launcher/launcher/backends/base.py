@@ -15,6 +15,10 @@ hands their rank-side ends (:class:`RankEnds`) to whatever runs the rank:
 - Ray actors: the rank runs elsewhere; a thread of the backend feeds what it writes into
   the ends it was given (duplicated, since the group closes its copies after ``start``);
 - persistent sessions: :attr:`RankEnds.commands` carries commands to a long-lived rank.
+
+A backend also owns its keyword arguments (:class:`BackendOption`, such as Ray's
+``ray_address``): ``notebook_launcher()`` and the command line accept them, and the plan
+carries their checked values in ``plan.backend_options``, without the core naming any.
 """
 
 from __future__ import annotations
@@ -28,7 +32,27 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 from notebook_launcher.launcher.rank import RankEnds, RankSpec
 
 if TYPE_CHECKING:
-    from notebook_launcher.launcher.plan import LaunchPlan
+    from notebook_launcher.launcher.plan_types import LaunchPlan
+
+
+def _as_given(value: Any) -> Any:
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendOption:
+    """A keyword argument of ``notebook_launcher()`` that one backend reads.
+
+    ``check`` gets the value as given (a string where it came from the command line),
+    never None (None leaves the option unset), and returns the value the backend reads
+    from ``plan.backend_options[name]``; it raises LaunchTypeError or LaunchConfigError
+    saying what to pass instead.
+    """
+
+    name: str  # a Python identifier: the keyword, and ``--name-with-dashes`` on the command line
+    help: str  # what it is, for ``--help`` and messages: "the Ray cluster to run on (...)"
+    check: Callable[[Any], Any] = _as_given
+    metavar: str = "VALUE"  # how the command line's --help names its value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +103,16 @@ class RankControl(abc.ABC):
 
 
 class Backend(abc.ABC):
-    """One way of starting ranks; a module under ``launcher/backends`` registers one."""
+    """One way of starting ranks, known to the launcher once registered
+    (:func:`notebook_launcher.launcher.backends.register`)."""
 
-    name: ClassVar[str]
+    name: ClassVar[str]  # what users pass as backend=
     accelerators: ClassVar[tuple[str, ...]]  # the devices its ranks can run on
+    # Where the ranks run, in words that follow "run the ranks on": "a Ray cluster".
+    description: ClassVar[str] = ""
+    # The devices for which backend="auto" picks this backend.
+    chosen_by_auto_for: ClassVar[tuple[str, ...]] = ()
+    options: ClassVar[tuple[BackendOption, ...]] = ()
 
     def check(self, plan: LaunchPlan) -> None:
         """Refuse (LaunchUnsupportedError) a plan this backend cannot carry out."""

@@ -21,7 +21,7 @@ from notebook_launcher.launcher.backends.base import (
 from notebook_launcher.launcher.pickling import dump_payload
 
 if TYPE_CHECKING:
-    from notebook_launcher.launcher.plan import LaunchPlan
+    from notebook_launcher.launcher.plan_types import LaunchPlan
     from notebook_launcher.launcher.rank import RankSpec
 
 # Modules the forkserver imports once, so each later rank starts in milliseconds.
@@ -76,6 +76,8 @@ class ProcessControl(RankControl):
 class LocalBackend(Backend):
     name = "local"
     accelerators = ("cpu", "cuda")
+    description = "processes of this machine"
+    chosen_by_auto_for = ("cpu", "cuda")
 
     def prepare_payload(self, plan: LaunchPlan, payload: tuple[Any, ...]) -> Any:
         if plan.start.method == "fork":

@@ -32,10 +32,11 @@ from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from notebook_launcher.errors import LaunchError, LaunchUnsupportedError
+from notebook_launcher.errors import LaunchError, LaunchTypeError, LaunchUnsupportedError
 from notebook_launcher.launcher.backends import ray_local
 from notebook_launcher.launcher.backends.base import (
     Backend,
+    BackendOption,
     Ended,
     RankControl,
     RankEnds,
@@ -44,7 +45,7 @@ from notebook_launcher.launcher.backends.base import (
 from notebook_launcher.launcher.pickling import dump_payload
 
 if TYPE_CHECKING:
-    from notebook_launcher.launcher.plan import LaunchPlan
+    from notebook_launcher.launcher.plan_types import LaunchPlan
     from notebook_launcher.launcher.rank import RankSpec
 
 _READ_WAIT_S = 0.2  # how long one ``read`` call waits for output in the actor
@@ -293,9 +294,29 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[written:]
 
 
+def _check_address(address: Any) -> str:
+    if not isinstance(address, str) or not address.strip():
+        raise LaunchTypeError(
+            f"ray_address must be the address of a Ray cluster such as 'ray://10.0.0.1:10001' "
+            f"or 'auto'; got {address!r}."
+        )
+    return address.strip()
+
+
+ADDRESS = BackendOption(
+    "ray_address",
+    "the Ray cluster to run on (default: RAY_ADDRESS, else a local cluster started for the "
+    "launch and shut down after it)",
+    check=_check_address,
+    metavar="ADDRESS",
+)
+
+
 class RayBackend(Backend):
     name = "ray"
     accelerators = ("cpu", "cuda")
+    description = "a Ray cluster"
+    options = (ADDRESS,)
 
     def __init__(self) -> None:
         self._started_cluster = False
@@ -422,7 +443,7 @@ def _connect(plan: LaunchPlan) -> Any:
         ) from error
     if ray.is_initialized():
         return ray
-    address = getattr(plan, "ray_address", None) or os.environ.get("RAY_ADDRESS")
+    address = plan.backend_options.get(ADDRESS.name) or os.environ.get("RAY_ADDRESS")
     # Ray otherwise forwards every worker's output to this kernel, unprefixed; ranks'
     # output reaches the cell through the launcher instead.
     options: dict[str, Any] = {

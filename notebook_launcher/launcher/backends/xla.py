@@ -48,7 +48,7 @@ from notebook_launcher.launcher.backends.base import (
 from notebook_launcher.launcher.channel import Failure
 
 if TYPE_CHECKING:
-    from notebook_launcher.launcher.plan import LaunchPlan
+    from notebook_launcher.launcher.plan_types import LaunchPlan
     from notebook_launcher.launcher.rank import RankSpec
 
 # Preset by single-process TPU runtimes (Kaggle); torch_xla only fills them in when unset,
@@ -80,6 +80,8 @@ def kernel_runtime_blocker() -> str | None:
 class XlaBackend(Backend):
     name = "xla"
     accelerators = ("tpu",)
+    description = "TPU cores (torch_xla)"
+    chosen_by_auto_for = ("tpu",)
 
     def __init__(self) -> None:
         self._supervisor: _Supervisor | None = None

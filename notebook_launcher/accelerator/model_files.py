@@ -1,4 +1,4 @@
-"""``save_model`` (weights for sharing, split into files by size) and ``save_state`` hooks.
+"""``save_model``: a model's weights as files for sharing, split into files by size.
 
 Named and laid out as in accelerate and transformers: ``model.safetensors`` (or
 ``pytorch_model.bin``), and when the weights exceed ``max_shard_size``,
@@ -12,11 +12,9 @@ import json
 import os
 import re
 from collections import OrderedDict
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from notebook_launcher.accelerator.adapters import is_peft_model, save_adapter
 from notebook_launcher.accelerator.wrappers import unwrap
@@ -146,11 +144,9 @@ def _remove_previous_files(directory: str, stem: str, suffix: str) -> None:
 
 
 class Saving:
-    """``save_model`` and the ``save_state`` / ``load_state`` hooks (a mixin of the Accelerator)."""
+    """``save_model`` (a mixin of the Accelerator); whole training states are checkpointing's."""
 
     state: AcceleratorState
-    _save_state_pre_hooks: dict[int, Callable[..., None]]
-    _load_state_pre_hooks: dict[int, Callable[..., None]]
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
         raise NotImplementedError
@@ -188,87 +184,3 @@ class Saving:
                 max_shard_size=max_shard_size,
                 safe_serialization=safe_serialization,
             )
-
-    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """``hook(models, weights, output_dir)`` runs in ``save_state`` before anything is written.
-
-        ``weights`` holds each prepared model's state dict; removing an entry
-        (``weights.pop()``) leaves that model out of the default saving, so the hook can
-        save it its own way. Returns a handle whose ``remove()`` unregisters the hook.
-        """
-        handle = RemovableHandle(self._save_state_pre_hooks)
-        self._save_state_pre_hooks[handle.id] = hook
-        return handle
-
-    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """``hook(models, input_dir)`` runs in ``load_state`` before anything is read.
-
-        Removing a model from ``models`` (``models.pop()``) leaves it out of the default
-        loading. Returns a handle whose ``remove()`` unregisters the hook.
-        """
-        handle = RemovableHandle(self._load_state_pre_hooks)
-        self._load_state_pre_hooks[handle.id] = hook
-        return handle
-
-
-def run_save_hooks(
-    hooks: dict[int, Callable[..., None]],
-    models: list[torch.nn.Module],
-    weights: tuple[list[Any], list[dict[str, Any]]],
-    output_dir: str | os.PathLike[str],
-) -> tuple[list[Any], list[dict[str, Any]]]:
-    """Call the save hooks; the models whose state dicts a hook removed are not saved."""
-    if not hooks:
-        return weights
-    to_save, optimizers = weights
-    state_dicts = [m.state_dict() if isinstance(m, torch.nn.Module) else m for m in to_save]
-    kept = list(state_dicts)
-    for hook in list(hooks.values()):
-        hook(models, kept, os.fspath(output_dir))
-    remaining = [
-        item for item, sd in zip(to_save, state_dicts) if any(sd is k for k in kept)
-    ]
-    return remaining, optimizers
-
-
-def run_load_hooks(
-    hooks: dict[int, Callable[..., None]],
-    models: list[torch.nn.Module],
-    input_dir: str | os.PathLike[str],
-) -> list[torch.nn.Module]:
-    """Call the load hooks on a copy of the model list; returns the models left to load."""
-    remaining = list(models)
-    for hook in list(hooks.values()):
-        hook(remaining, os.fspath(input_dir))
-    return remaining
-
-
-def loader_states(source: Path, count: int, rank: int) -> list[dict[str, Any]]:
-    """The saved positions of ``count`` prepared loaders (``sampler.bin``, ``sampler_1.bin``, ...).
-
-    The main process writes them; every rank gets rank 0's copy, so ranks whose folders
-    are not shared (each its own temporary folder) resume at the same position as well.
-    """
-    from notebook_launcher.accelerator import operations
-
-    def read() -> list[dict[str, Any]]:
-        names = ["sampler.bin"] + [f"sampler_{i}.bin" for i in range(1, count)]
-        return [torch.load(source / n, map_location="cpu", weights_only=False) for n in names[:count]]
-
-    if count == 0:
-        return []
-    if not operations.is_distributed():
-        return read()
-    shared: list[Any] = [None]
-    if rank == 0:
-        try:
-            shared[0] = read()
-        except FileNotFoundError as e:
-            shared[0] = e
-    operations.broadcast_object_list(shared, from_process=0)
-    if isinstance(shared[0], BaseException):
-        raise CheckpointError(
-            f"load_state({os.fspath(source)!r}): rank 0 found no saved loader position there "
-            f"({shared[0]}); pass the folder save_state wrote."
-        ) from shared[0]
-    return list(shared[0])

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, Sampler
+from torch.utils.data import IterableDataset, RandomSampler, Sampler
 
 
 class SeedableRandomSampler(RandomSampler):
@@ -292,7 +292,3 @@ class SkipBatches(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return max(0, len(self.batch_sampler) - self.skip)
-
-
-def make_batch_sampler(sampler: Sampler[int], batch_size: int, drop_last: bool) -> BatchSampler:
-    return BatchSampler(sampler, batch_size=batch_size, drop_last=drop_last)
