@@ -5,7 +5,9 @@ enabled by its install), on loopback with a token, in temporary Jupyter director
 extension is the one built into notebook_launcher/labextension, first on the search path as
 `pip install` would place it. Each test module works in a folder of its own under the
 server's root and shuts its kernels down when it ends; under pytest-xdist they all run in
-one worker (tests/conftest.py groups them). Screenshots go to artifacts/.
+one worker (tests/conftest.py groups them). Both live as long as this folder's tests (package
+scope), so that the tests that run after them in that worker see neither the server's
+processes nor Playwright's running event loop. Screenshots go to artifacts/.
 
 Without chromium or the built extension the tests are skipped, unless
 NOTEBOOK_LAUNCHER_BROWSER_TESTS=1 (as in CI), where they fail instead.
@@ -123,7 +125,7 @@ def _wait_until_up(url: str, token: str, process: subprocess.Popen[bytes], log: 
     pytest.fail(f"the Jupyter server did not answer at {url} within 180 s:\n{log.read_text()[-3000:]}")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def jupyter_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JupyterServer]:
     if not CHROMIUM.exists():
         missing(f"{CHROMIUM} is missing: apt-get install -y chromium")
@@ -203,7 +205,7 @@ def app(jupyter_server: JupyterServer, module_folder: str, request: pytest.Fixtu
     jupyter_server.shut_down_kernels()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser(jupyter_server: JupyterServer) -> Iterator[object]:
     from playwright.sync_api import sync_playwright
 
