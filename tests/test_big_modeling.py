@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -335,7 +336,11 @@ def test_disk_blocks_are_read_ahead_on_the_side_thread_into_reused_buffers(refer
     # thread, including blocks.2 for the next forward (the order was learned, and wraps).
     assert reads[0][0] == threading.main_thread().name and reads[0][1][0].startswith("blocks.2.")
     assert all(name.startswith("big-model-prefetch") for name, _ in reads[1:])
-    # Four disk blocks, once each per forward, and blocks.2 once more, ahead of a fifth forward.
+    # Four disk blocks, once each per forward, and blocks.2 once more, ahead of a fifth
+    # forward: the side thread may still be starting that read as the fourth returns.
+    deadline = time.monotonic() + 60  # a safety net; the wait ends at the read
+    while len(reads) < 4 * 4 + 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert len(reads) == 4 * 4 + 1 and reads[-1][1] == reads[0][1]
     assert len(set(allocated)) <= 3  # the running block, the one ahead, one spare
 
