@@ -277,6 +277,20 @@ def test_a_closed_connection_names_the_rank_that_returned_even_if_its_end_was_se
     assert "Before that" not in str(rank_failed_error(outcome))
 
 
+def test_a_rank_failing_on_its_own_is_the_cause_even_when_a_peers_closed_connection_came_first():
+    from notebook_launcher.errors import RankFailure
+    from notebook_launcher.launcher.rank_group import Outcome
+    from notebook_launcher.launcher.report import rank_failed_error
+
+    mesh = RankFailure(3, 13, 1, "RuntimeError", "Gloo connectFullMesh failed with [pair.cc:144] no error", time=100.0)
+    own = RankFailure(6, 16, 1, "OSError", "shard 45 is unreadable", time=100.3)
+    message = str(rank_failed_error(Outcome(failures=[mesh, own])))
+    assert message.startswith("Rank 6 (pid 16) raised OSError: shard 45 is unreadable.")
+    assert "Afterwards, rank 3 (pid 13) raised RuntimeError: Gloo connectFullMesh failed" in message
+    # Alone, the closed connection is still what is reported.
+    assert str(rank_failed_error(Outcome(failures=[mesh]))).startswith("Rank 3 (pid 13) raised RuntimeError")
+
+
 def test_each_later_failure_is_one_sentence_with_one_full_stop():
     from notebook_launcher.errors import RankFailure
     from notebook_launcher.launcher.rank_group import Outcome

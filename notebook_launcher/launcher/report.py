@@ -45,12 +45,16 @@ def finish(
 
 def rank_failed_error(outcome: Outcome) -> RankFailedError:
     failures = sorted(outcome.failures, key=lambda f: f.time)
-    # A rank lost with its machine breaks its peers' connections at once, and the kernel
-    # hears of those first: the loss is the cause.
-    lost = next((f for f in failures if f.lost), None)
-    if lost is not None and _is_closed_connection(failures[0]):
-        failures.remove(lost)
-        failures.insert(0, lost)
+    # A rank that fails on its own (or is lost with its machine) breaks its peers'
+    # connections at once, and they may report first: a closed connection is a consequence
+    # whenever another rank failed for a reason of its own.
+    if _is_closed_connection(failures[0]):
+        cause = next((f for f in failures if f.lost), None) or next(
+            (f for f in failures if not _is_closed_connection(f)), None
+        )
+        if cause is not None:
+            failures.remove(cause)
+            failures.insert(0, cause)
     root = failures[0]
     lines = [f"{_sentence(root.summary())} The other ranks were stopped."]
     early = _left_early(outcome, root)
@@ -104,7 +108,7 @@ def _left_early(outcome: Outcome, root: RankFailure) -> str | None:
 
 # What torch's gloo and TCPStore say when the other end of a connection has gone.
 _CLOSED_CONNECTION = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                      "Connection was likely closed")
+                      "Connection was likely closed", "connectFullMesh failed")
 
 
 def _is_closed_connection(failure: RankFailure) -> bool:
