@@ -12,20 +12,30 @@ PYTEST_ARGS ?=
 
 .PHONY: setup demo test test-xla lint docs course clean browser extension
 
+# uv installs the Python dependencies (in parallel, seconds where pip took minutes); pip
+# installs torch alone, as only pip looks in the machine's own wheel folder for the CPU
+# build. TORCH_PIN rides along in every uv install: a dependency asking for another torch
+# then fails the install instead of pulling a CUDA build.
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "uv>=0.4"
+UV_INSTALL = $(BIN)/uv pip install -q --python $(BIN)/python "$(TORCH_PIN)"
 
 # The demo needs the package and a kernel only: no lab extension build (SKIP_JUPYTER_BUILDER
 # skips its npm step), no test, lint or docs tools.
 $(VENV)/.demo-installed: $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
-	SKIP_JUPYTER_BUILDER=1 $(BIN)/python -m pip install -q -e ".[demo]"
+	SKIP_JUPYTER_BUILDER=1 $(UV_INSTALL) -e ".[demo]"
 	touch $@
 
-# Everything else; this install builds the lab extension into notebook_launcher/labextension.
+# Everything else, then the lab extension: built with the jlpm that JupyterLab brings, and
+# the package installed once more so that Jupyter's data folder holds the built extension.
+BUILD_EXTENSION = cd extension && PATH="$(CURDIR)/$(BIN):$$PATH" jlpm install \
+	&& PATH="$(CURDIR)/$(BIN):$$PATH" jlpm build:prod && cd .. \
+	&& $(UV_INSTALL) --no-deps --reinstall-package notebook-launcher -e .
 $(VENV)/.installed: $(VENV)/.demo-installed
-	$(BIN)/python -m pip install -q -e ".[test,dev,docs]"
+	SKIP_JUPYTER_BUILDER=1 $(UV_INSTALL) -e ".[test,dev,docs]"
+	$(BUILD_EXTENSION)
 	touch $@
 
 setup: $(VENV)/.installed
@@ -40,16 +50,17 @@ browser:
 
 # The install above builds the lab extension once; this rebuilds it after TypeScript changes.
 extension: setup
-	cd extension && ../$(BIN)/jlpm install && ../$(BIN)/jlpm build:prod
+	$(BUILD_EXTENSION)
 
 # Most tests wait (for ranks, kernels, a server, a browser), so they run in TEST_WORKERS
 # processes at once; tests/conftest.py keeps the ones that share a kernel, a server or a
-# cluster in one worker. The 25 slowest tests and the total close the run.
+# cluster in one worker, and hands out those groups first, the longest leading (hence
+# --no-loadscope-reorder). The 25 slowest tests and the total close the run.
 # pytest exits 5 when it collected no test: that is a failure here, not a pass.
 # NOTEBOOK_LAUNCHER_BROWSER_TESTS=1 makes the browser tests fail, not skip, without chromium.
 TEST_WORKERS ?= 4
 test: setup browser
-	NOTEBOOK_LAUNCHER_BROWSER_TESTS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup \
+	NOTEBOOK_LAUNCHER_BROWSER_TESTS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
 		--durations=25 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
