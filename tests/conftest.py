@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
+import shutil
 import stat
 import sys
 import tempfile
@@ -21,6 +23,7 @@ importlib.import_module("torch._dynamo")
 # Launches the tests make register in a private runtime dir: a test that stops "the running
 # launch" must never find a launch of the user's (or of another test session).
 os.environ["JUPYTER_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="notebook-launcher-tests-")
+atexit.register(shutil.rmtree, os.environ["JUPYTER_RUNTIME_DIR"], True)
 
 
 BROWSER_TESTS = Path(__file__).parent / "browser"
@@ -31,7 +34,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Which tests must share a pytest-xdist worker (``--dist loadgroup``, as ``make test``
     runs them): the browser tests (one Jupyter server and one chromium), the Ray tests (one
     cluster at a time: each takes a core and over a GB), and the tests of a module that
-    share a fixture made once per module (a kernel, a launch). The rest spread freely."""
+    share a fixture made once per module (a kernel, a launch). The rest spread freely.
+
+    Groups come first, the two longest leading: ``make test`` has pytest-xdist hand out
+    work in collection order (--no-loadscope-reorder), and a long group handed out last
+    would run alone at the end while the single tests fill the other workers."""
+    first = {"ray": 0, "browser": 1}
+    order: dict[int, int] = {}
     for item in items:
         if BROWSER_TESTS in Path(str(item.fspath)).parents:
             group = "browser"
@@ -42,6 +51,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         else:
             continue
         item.add_marker(pytest.mark.xdist_group(group))
+        order[id(item)] = first.get(group, 2)
+    items.sort(key=lambda item: order.get(id(item), 3))
 
 
 def _shares_a_module_fixture(item: pytest.Item) -> bool:

@@ -289,40 +289,12 @@ def test_ray_refuses_multi_node_arguments_and_a_stray_address(cluster):
         notebook_launcher(print, ray_address="auto")
 
 
-def test_a_local_cluster_started_for_the_launch_is_shut_down(tmp_path):
-    """Without a cluster, the launcher starts one on loopback and leaves nothing behind."""
-    script = tmp_path / "launch.py"
-    script.write_text(textwrap.dedent("""
-        import os, psutil
-        from notebook_launcher import notebook_launcher
-
-        def rank():
-            return int(os.environ["RANK"])
-
-        print("VALUES", notebook_launcher(rank, num_processes=2, backend="ray", return_all=True))
-        import ray
-        print("INITIALIZED", ray.is_initialized())
-        left = [p.cmdline()[:2] for p in psutil.Process().children(recursive=True)]
-        print("LEFT", left)
-    """))
-    short = tempfile.mkdtemp(prefix="nlray")  # Ray's socket paths must stay under 107 bytes
-    env = {**os.environ, **RAY_ENV, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": short}
-    env.pop("RAY_ADDRESS", None)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=900, env=env, cwd=tmp_path)
-    shutil.rmtree(short, ignore_errors=True)
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
-    assert "VALUES [0, 1]" in lines
-    assert "INITIALIZED False" in lines
-    assert "LEFT []" in lines
-
-
 @pytest.mark.kernel
-def test_ray_ranks_output_and_failure_show_in_the_notebook_cell():
+def test_ray_ranks_output_and_failure_show_in_the_notebook_cell(no_actor_left):
     from .kernel_driver import RunningKernel
 
-    temp_dir = tempfile.mkdtemp(prefix="nlray")  # Ray's socket paths must stay under 107 bytes
+    address = ray.get_runtime_context().gcs_address  # the module's cluster, joined by the kernel
+    temp_dir = tempfile.mkdtemp()
     fifo = os.path.join(temp_dir, "printed")
     os.mkfifo(fifo)
     kernel = RunningKernel()
@@ -331,7 +303,6 @@ def test_ray_ranks_output_and_failure_show_in_the_notebook_cell():
             f"""
             import os
             os.environ.update({RAY_ENV!r})
-            os.environ["RAY_TMPDIR"] = {temp_dir!r}
             from notebook_launcher import notebook_launcher
 
             def greet():
@@ -345,8 +316,10 @@ def test_ray_ranks_output_and_failure_show_in_the_notebook_cell():
             """
         )
         assert setup.error is None, setup.error
-        cell = kernel.run("notebook_launcher(greet, num_processes=2, backend='ray')", timeout=900)
-        left = kernel.run("import ray; ray.is_initialized()")
+        cell = kernel.run(
+            f"notebook_launcher(greet, num_processes=2, backend='ray', ray_address={address!r})",
+            timeout=900,
+        )
     finally:
         kernel.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
@@ -354,18 +327,17 @@ def test_ray_ranks_output_and_failure_show_in_the_notebook_cell():
     assert "[rank1]: hello from rank 1\n" in cell.stdout
     assert cell.error is not None and cell.error["ename"] == "RankFailedError[ValueError]"
     assert "raised ValueError: rank 1 is unhappy" in cell.error["evalue"]
-    assert left.result == "False"  # the cluster started for the launch was shut down
 
 
-def test_a_local_rank_crash_is_still_reported_after_ray_ran_in_the_kernel(tmp_path):
-    """Ray leaves its own SIGSEGV handler in the kernel; forked ranks must replace it."""
+def test_a_local_rank_crash_is_still_reported_after_ray_ran_in_the_kernel(tmp_path, cluster):
+    """A kernel that joined a Ray cluster and left it keeps faulthandler enabled, under a
+    SIGSEGV handler Ray took back: forked ranks must install faulthandler anew."""
     script = tmp_path / "crash.py"
     script.write_text(textwrap.dedent("""
         import os, signal, sys, time
         import ray
 
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
-                 _node_ip_address="127.0.0.1", _temp_dir=sys.argv[1])
+        ray.init(address=sys.argv[1], log_to_driver=False)
         ray.shutdown()
         from notebook_launcher import notebook_launcher
 
@@ -379,12 +351,9 @@ def test_a_local_rank_crash_is_still_reported_after_ray_ran_in_the_kernel(tmp_pa
         except Exception as error:
             print("REPORT", "Fatal Python error: Segmentation fault" in str(error))
     """))
-    short = tempfile.mkdtemp(prefix="nlray")
-    try:
-        done = subprocess.run(
-            [sys.executable, str(script), short], capture_output=True, text=True, timeout=900,
-            env={**os.environ, **RAY_ENV, **START_WAIT, "PYTHONPATH": str(ROOT)}, cwd=tmp_path,
-        )
-    finally:
-        shutil.rmtree(short, ignore_errors=True)
+    address = ray.get_runtime_context().gcs_address
+    done = subprocess.run(
+        [sys.executable, str(script), address], capture_output=True, text=True, timeout=900,
+        env={**os.environ, **RAY_ENV, "PYTHONPATH": str(ROOT)}, cwd=tmp_path,
+    )
     assert "REPORT True" in done.stdout.splitlines(), done.stdout + done.stderr

@@ -175,14 +175,16 @@ def test_the_cluster_started_for_a_launch_listens_on_loopback_and_refuses_client
         os.close(writer)
         cell = kernel.collect(msg_id, timeout=900)
         after = kernel.run(
-            "import ray; (ray.is_initialized(), "
-            f"[os.environ.get(name) for name in {[*AUTH_ENV, 'RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER']!r}])"
+            "import psutil, ray; (ray.is_initialized(), "
+            f"[os.environ.get(name) for name in {[*AUTH_ENV, 'RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER']!r}], "
+            "[p.name() for p in psutil.Process().children(recursive=True)])"
         )
     finally:
         kernel.shutdown()
     assert cell.error is None, cell.error
     assert cell.result == "[0, 1]"  # the launcher itself was admitted
-    assert after.result == repr((False, [auth_mode, None, None, None]))  # the kernel's own settings
+    # The cluster is shut down with every process it started; the kernel's own settings are back.
+    assert after.result == repr((False, [auth_mode, None, None, None], []))
     assert not os.path.exists(os.path.join(folders["home"], ".ray"))  # no token file written
     note = (
         "notebook_launcher: RAY_AUTH_MODE=disabled is set, but the Ray cluster started for this "
