@@ -391,12 +391,18 @@ class _Launch:
 
 _launch: _Launch | None = None
 _claim_lock = threading.Lock()
+_arrived = threading.Condition(_claim_lock)
+_started: list[int] = []  # the global ordinals of this process's replicas that started
 _claimed: int | None = None  # the process index of the rank this process runs
+_rank_replica: list[int] = []  # the ordinal of the replica that runs the rank, once chosen
 _ready = threading.Event()  # the rank's process is set up: its other replicas may run
+# A safety net only: torch_xla starts every replica of a process at once.
+_REPLICAS_WAIT_S = 300.0
 
 
 def _replica_entry(ordinal: int) -> None:
-    """What torch_xla calls on each replica: the first of a process runs the rank."""
+    """What torch_xla calls on each replica: the process's lowest ordinal runs the rank
+    (whichever replica thread the machine happened to start first)."""
     global _claimed
     import torch_xla.runtime as xr
 
@@ -404,9 +410,16 @@ def _replica_entry(ordinal: int) -> None:
     specs, ends, payload, target = _launch.specs, _launch.ends, _launch.payload, _launch.target
     supervisor_environ = _launch.supervisor_environ
     index = int(xr.process_index())
-    with _claim_lock:
-        first = _claimed is None
+    mine = int(xr.global_ordinal())
+    replicas = int(xr.addressable_device_count())
+    with _arrived:
+        _started.append(mine)
+        _arrived.notify_all()
+        _arrived.wait_for(lambda: len(_started) >= replicas, timeout=_REPLICAS_WAIT_S)
+        first = mine == min(_started) and not _rank_replica
         if first:
+            _rank_replica.append(mine)
+        if _claimed is None:
             _claimed = index
     if _claimed != index:
         raise RuntimeError(
