@@ -32,26 +32,29 @@ BROWSER_TESTS = Path(__file__).parent / "browser"
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Which tests must share a pytest-xdist worker (``--dist loadgroup``, as ``make test``
-    runs them): the browser tests (one Jupyter server and one chromium), the Ray tests (one
-    cluster at a time: each takes a core and over a GB), and the tests of a module that
-    share a fixture made once per module (a kernel, a launch). The rest spread freely.
+    runs them): the browser tests (one Jupyter server and one chromium), the Ray tests that
+    start clusters of their own (one cluster at a time: each takes a core and over a GB),
+    and the tests of a module that share a fixture made once per module (a kernel, a launch,
+    a Ray cluster). The rest spread freely.
 
-    Groups come first, the two longest leading: ``make test`` has pytest-xdist hand out
+    Groups come first, Ray's and the browser's leading: ``make test`` has pytest-xdist hand out
     work in collection order (--no-loadscope-reorder), and a long group handed out last
     would run alone at the end while the single tests fill the other workers."""
-    first = {"ray": 0, "browser": 1}
     order: dict[int, int] = {}
     for item in items:
+        module = item.nodeid.split("::", 1)[0]
         if BROWSER_TESTS in Path(str(item.fspath)).parents:
-            group = "browser"
+            group, rank = "browser", 1
         elif item.get_closest_marker("ray") is not None:
-            group = "ray"
+            # A module's tests that join its one cluster, apart from the tests that start
+            # clusters of their own (those one at a time).
+            group, rank = (f"ray {module}" if _shares_a_module_fixture(item) else "ray clusters"), 0
         elif _shares_a_module_fixture(item):
-            group = item.nodeid.split("::", 1)[0]
+            group, rank = module, 2
         else:
             continue
         item.add_marker(pytest.mark.xdist_group(group))
-        order[id(item)] = first.get(group, 2)
+        order[id(item)] = rank
     items.sort(key=lambda item: order.get(id(item), 3))
 
 

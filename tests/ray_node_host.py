@@ -20,17 +20,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import threading
 
 import psutil
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+from ports import free_port  # beside this script, which runs with tests/ first on sys.path
 
 
 def watch_raylet(started: threading.Event) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,8 @@ import psutil
 import pytest
 
 from notebook_launcher import defaults, hardware
+
+from .ports import free_port
 
 try:
     import tomllib
@@ -249,9 +250,7 @@ def test_interrupting_run_stops_every_rank_and_exits_130(tmp_path):
 
 def test_run_passes_rdzv_conf_to_the_rendezvous(tmp_path):
     script = write_script(tmp_path, "print('never runs')\n")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{probe.getsockname()[1]}"  # nobody hosts it
+    endpoint = f"127.0.0.1:{free_port()}"  # nobody hosts it
     done = cli("run", str(script), "-n", "1", "--num-nodes", "2", "--node-rank", "1",
                "--rdzv-endpoint", endpoint, "--rdzv-conf", "join_timeout=2,last_call_timeout=1")
     assert done.returncode == 1, done.stderr

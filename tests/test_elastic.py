@@ -18,6 +18,8 @@ from notebook_launcher import (
     notebook_launcher,
 )
 
+from .ports import free_port
+
 
 def fails_until_counter_reaches(counter: str, needed: int):
     """Rank 1 fails while the shared counter file is short; every rank logs its attempt."""
@@ -172,11 +174,7 @@ def test_restarts_are_announced_in_the_notebook_cell(tmp_path):
 
 
 def test_a_restart_with_a_fixed_port_binds_it_again(tmp_path, capfd, leak_check):
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     marker = tmp_path / "failed"
 
     def fail_once():

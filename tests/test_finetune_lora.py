@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from notebook_launcher import launches, notebook_launcher
-from tests.accelerator_support import SCRIPTS, clean_environment, free_port
+from tests.accelerator_support import SCRIPTS, clean_environment
+from tests.ports import free_port
 
 pytest.importorskip("peft")
 pytest.importorskip("trl")

@@ -19,6 +19,7 @@ from notebook_launcher.launcher import printer
 from notebook_launcher.launcher.events import OutputLine, RankFinished
 
 from .conftest import run_script
+from .ports import free_port
 
 METHODS = ["fork", "forkserver", "spawn"]
 
@@ -106,11 +107,7 @@ def test_every_rank_sees_the_torchrun_contract_and_the_precision(method, leak_ch
 
 
 def test_a_given_port_is_used(leak_check):
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     assert notebook_launcher(read_contract, num_processes=1, use_port=str(port))["MASTER_PORT"] == str(port)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,8 @@ import pytest
 
 from notebook_launcher import LaunchConfigError, notebook_launcher
 from notebook_launcher.launcher.rendezvous import RendezvousError
+
+from .ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,12 +52,6 @@ try:
 except Exception as error:
     print("ERROR " + json.dumps({"types": [c.__name__ for c in type(error).__mro__], "text": str(error)}))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def run_two_nodes(

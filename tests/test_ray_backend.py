@@ -14,7 +14,6 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -24,6 +23,8 @@ from notebook_launcher.errors import LaunchUnsupportedError  # noqa: E402
 from notebook_launcher.launcher.backends import ray_local  # noqa: E402
 from notebook_launcher.launcher.events import OutputLine  # noqa: E402
 
+from .ray_cluster import LoopbackRayCluster  # noqa: E402
+
 pytestmark = pytest.mark.ray
 
 # Multi-node clusters off: Ray keeps the node address 127.0.0.1 and binds loopback alone.
@@ -32,80 +33,35 @@ RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "GLOO_SO
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def ray_processes() -> list[psutil.Process]:
-    """Ray's own processes (raylet, GCS, workers) started under this test process, with
-    the raylet or GCS that died while starting (a zombie: known by its name alone)."""
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if child.status() == psutil.STATUS_ZOMBIE:
-                if child.name() in ("raylet", "gcs_server"):
-                    found.append(child)
-            elif any("ray" in part for part in child.cmdline()[:3]):
-                found.append(child)
-        except (psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-    return found
-
-
-# Ray's node start waits seconds by default for its processes to register; a busy machine
-# needs minutes (the launcher sets the same for the clusters it starts).
-START_WAIT = {"RAY_raylet_start_wait_time_s": "300"}
-
-
-def stop_ray_processes(started: list[psutil.Process], timeout: float = 60) -> list[psutil.Process]:
-    """Wait for Ray's processes to end, kill those still there; returns those that had not ended."""
-    _, alive = psutil.wait_procs(started, timeout=timeout)
-    for process in alive:
-        with contextlib.suppress(psutil.Error):
-            process.kill()
-    psutil.wait_procs(alive, timeout=30)
-    return alive
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    """One local cluster for the module (2 CPUs, loopback); the launcher joins it. Whatever
-    it started is shut down (and killed if need be), even when the start fails."""
-    saved = {name: os.environ.get(name) for name in {**RAY_ENV, **START_WAIT}}
-    os.environ.update({**RAY_ENV, **START_WAIT})
+    """One single-node cluster for the module (2 CPUs, loopback), which this process joins
+    as a kernel joins a user's cluster. tests/ray_cluster.py starts it with every port of
+    Ray's agents given, so a busy machine cannot time out its raylet's wait for them."""
+    saved = {name: os.environ.get(name) for name in RAY_ENV}
+    os.environ.update(RAY_ENV)
     # Ray reads its settings from the environment when imported; this re-reads them.
     ray._raylet.Config.initialize("")
-    temp_dir = tempfile.mkdtemp(prefix="nlray")  # Ray's socket paths must stay under 107 bytes
-    started = False
+    temp_dir = tempfile.mkdtemp(prefix="r", dir="/tmp")  # Ray's socket paths: under 107 bytes
+    home = tempfile.mkdtemp(prefix="h", dir="/tmp")
+    running = LoopbackRayCluster(temp_dir, home)
     try:
+        running.add_node(num_cpus=2)
         # This process imported Ray before the environment above: switched as the launcher does.
         with ray_local._single_node(loopback=True):
-            for attempt in (1, 2):  # as the launcher does: a node slow to register, once more
-                try:
-                    ray.init(
-                        num_cpus=2, include_dashboard=False, log_to_driver=False,
-                        _node_ip_address="127.0.0.1", _temp_dir=temp_dir,
-                    )
-                    break
-                except Exception as error:
-                    if attempt == 2 or "timed out during startup" not in str(error):
-                        raise
-                    with contextlib.suppress(Exception):
-                        ray.shutdown()
-                    stop_ray_processes(ray_processes(), timeout=0)
-        started = True
+            ray.init(address=running.address, _node_ip_address="127.0.0.1", log_to_driver=False)
         yield ray
     finally:
-        # Taken before the shutdown: workers outlive a raylet that is gone, no longer its children.
-        processes = ray_processes()
         with contextlib.suppress(Exception):
             ray.shutdown()
-        # After a failed start ray.shutdown() has nothing to stop: kill what is there at once.
-        left = stop_ray_processes(processes + ray_processes(), timeout=60 if started else 0)
+        running.stop()
         shutil.rmtree(temp_dir, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    # A failed start has raised already; a cluster that outlived its shutdown is a failure.
-    assert not (started and left), f"Ray processes outlived ray.shutdown(): {left}"
 
 
 def alive_actors() -> list[str]:

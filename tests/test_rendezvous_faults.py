@@ -20,7 +20,8 @@ from notebook_launcher import LaunchConfigError, notebook_launcher
 from notebook_launcher.errors import LaunchTimeoutError
 from notebook_launcher.launcher.rendezvous import RendezvousError, RendezvousTimeoutError
 
-from .test_multinode import free_port, tagged
+from .ports import free_port
+from .test_multinode import tagged
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ from pathlib import Path
 import pytest
 
 import notebook_launcher
+
+from ..ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "artifacts"
@@ -105,12 +106,6 @@ class App:
         return self.url + FRONTENDS[self.name].format(path=f"{self.folder}/{notebook}", token=self.token)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wait_until_up(url: str, token: str, process: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -158,7 +153,7 @@ def jupyter_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Jupyter
         "JUPYTERLAB_WORKSPACES_DIR": str(dirs["workspaces"]),
         "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
     }
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     log = base / "server.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
