@@ -47,9 +47,24 @@ def cluster():
     running = LoopbackRayCluster(temp_dir, home)
     try:
         running.add_node(num_cpus=2)
-        # This process imported Ray before the environment above: switched as the launcher does.
-        with ray_local._single_node(loopback=True):
-            ray.init(address=running.address, _node_ip_address="127.0.0.1", log_to_driver=False)
+        # Ray's connect has no deadline (and holds the main thread in C++, out of pytest's
+        # timeout's reach); beside two busy loops it was once seen waiting for good. Past a
+        # safety net the cluster is stopped, and should that not end it, this worker ends.
+        connected = threading.Event()
+
+        def watchdog() -> None:
+            if not connected.wait(600):
+                running.stop()
+                if not connected.wait(120):
+                    os._exit(70)
+
+        threading.Thread(target=watchdog, daemon=True).start()
+        try:
+            # This process imported Ray before the environment above: switched as the launcher does.
+            with ray_local._single_node(loopback=True):
+                ray.init(address=running.address, _node_ip_address="127.0.0.1", log_to_driver=False)
+        finally:
+            connected.set()
         yield ray
     finally:
         with contextlib.suppress(Exception):
