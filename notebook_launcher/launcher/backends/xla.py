@@ -394,7 +394,7 @@ _claim_lock = threading.Lock()
 _arrived = threading.Condition(_claim_lock)
 _started: list[int] = []  # the global ordinals of this process's replicas that started
 _claimed: int | None = None  # the process index of the rank this process runs
-_rank_replica: list[int] = []  # the ordinal of the replica that runs the rank, once chosen
+_rank_taken = False  # a replica of this process runs the rank
 _ready = threading.Event()  # the rank's process is set up: its other replicas may run
 # A safety net only: torch_xla starts every replica of a process at once.
 _REPLICAS_WAIT_S = 300.0
@@ -403,7 +403,7 @@ _REPLICAS_WAIT_S = 300.0
 def _replica_entry(ordinal: int) -> None:
     """What torch_xla calls on each replica: the process's lowest ordinal runs the rank
     (whichever replica thread the machine happened to start first)."""
-    global _claimed
+    global _claimed, _rank_taken
     import torch_xla.runtime as xr
 
     assert _launch is not None, "set by the supervisor before it forked this process"
@@ -416,9 +416,8 @@ def _replica_entry(ordinal: int) -> None:
         _started.append(mine)
         _arrived.notify_all()
         _arrived.wait_for(lambda: len(_started) >= replicas, timeout=_REPLICAS_WAIT_S)
-        first = mine == min(_started) and not _rank_replica
-        if first:
-            _rank_replica.append(mine)
+        first = mine == min(_started) and not _rank_taken
+        _rank_taken = _rank_taken or first
         if _claimed is None:
             _claimed = index
     if _claimed != index:
