@@ -232,6 +232,29 @@ def test_a_rank_leaving_while_another_waits_is_named_whichever_end_the_kernel_se
         assert "Before that, rank 1 (sys.exit(0)) had already exited early, while rank 0 still needed it" in str(caught.value)
 
 
+def return_at_once_or_look_at_the_peer_that_did():
+    from datetime import timedelta
+
+    import psutil
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    pids = [0, 0]
+    dist.all_gather_object(pids, os.getpid())
+    if dist.get_rank() == 1:
+        return "returned"
+    # Rank 1 marks its return in the store before it waits for this rank's.
+    store = dist.distributed_c10d._get_default_store()
+    store.wait(["notebook_launcher/returned/1"], timedelta(seconds=120))
+    return psutil.Process(pids[1]).status()
+
+
+def test_a_rank_that_returned_keeps_its_connections_until_its_peers_return(leak_check):
+    # Closing them at once would fail a peer still in Gloo's connection handshake.
+    status = notebook_launcher(return_at_once_or_look_at_the_peer_that_did, num_processes=2, timeout=120)
+    assert status in ("sleeping", "running", "disk-sleep")  # rank 0's value: rank 1's process
+
+
 def exit_then_linger_in_the_release_of_the_group():
     import sys
 

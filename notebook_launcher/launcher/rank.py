@@ -447,12 +447,38 @@ def user_frames(frames: TracebackType | None) -> TracebackType | None:
     return frames if first is None else first
 
 
+# How long a rank that returned keeps its connections open for peers that have not.
+_PEERS_RETURN_GRACE_S = 5.0
+
+
 def _release_process_group() -> None:
     # A group left open makes torch warn at exit and can hold the store's port.
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):
+            _wait_for_peers_to_return(dist)
+        with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+def _wait_for_peers_to_return(dist: Any) -> None:
+    """Keep this rank's connections open until every rank of the group has returned too
+    (a few seconds at most).
+
+    A rank that returns right after joining the group (a function that only builds
+    ``PartialState()``) may have finished its side of Gloo's connection handshake while a
+    peer is still in its own: closing then fails the peer with "Connection closed by
+    peer". Each rank marks its return in the group's store and waits for the others' marks,
+    which the last rank to return completes at once. A peer still at work after the grace
+    (one that needed this rank in a collective it never joined) fails as it would have.
+    """
+    from datetime import timedelta
+
+    store = dist.distributed_c10d._get_default_store()
+    key = "notebook_launcher/returned/{}"
+    store.set(key.format(dist.get_rank()), b"1")
+    keys = [key.format(rank) for rank in range(dist.get_world_size())]
+    store.wait(keys, timedelta(seconds=_PEERS_RETURN_GRACE_S))
 
 
 def _flush() -> None:
