@@ -15,16 +15,18 @@ from pathlib import Path
 import psutil
 import pytest
 
-from notebook_launcher import hardware
+from notebook_launcher import hardware, rank_env
 
 # torch's optimizers import torch._dynamo the first time one is built, seconds of CPU in
 # every rank; imported once here, the ranks forked from this process start with it.
 importlib.import_module("torch._dynamo")
 
 # Launches the tests make register in a private runtime dir: a test that stops "the running
-# launch" must never find a launch of the user's (or of another test session).
-os.environ["JUPYTER_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="notebook-launcher-tests-")
-atexit.register(shutil.rmtree, os.environ["JUPYTER_RUNTIME_DIR"], True)
+# launch" must never find a launch of the user's (or of another test session). A rank that
+# imports this module (to unpickle a test's function) keeps the one it inherited.
+if not rank_env.inside_rank():
+    os.environ["JUPYTER_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="notebook-launcher-tests-")
+    atexit.register(shutil.rmtree, os.environ["JUPYTER_RUNTIME_DIR"], True)
 
 
 BROWSER_TESTS = Path(__file__).parent / "browser"
