@@ -7,13 +7,12 @@ The launcher writes it; the training core and any third-party code in the rank
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
 import os
 import socket
-import sys
 from types import ModuleType
 from typing import Any
+
+from notebook_launcher.after_import import after_import
 
 # Set in every rank; its presence means "this process is a rank of a launch".
 LAUNCH_ID = "NOTEBOOK_LAUNCHER_LAUNCH_ID"
@@ -90,11 +89,7 @@ def accelerate_sees_every_cpu_rank(environ: dict[str, str] | os._Environ[str] | 
     env = os.environ if environ is None else environ
     if env.get(USE_CPU, "").strip().lower() not in _TRUE:
         return
-    module = sys.modules.get(_ACCELERATE_STATE)
-    if module is not None:
-        _default_to_cpu(module)
-    elif not any(isinstance(f, _AccelerateStateHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AccelerateStateHook())
+    after_import(_ACCELERATE_STATE, _default_to_cpu)
 
 
 def _default_to_cpu(module: ModuleType) -> None:
@@ -109,26 +104,6 @@ def _default_to_cpu(module: ModuleType) -> None:
 
     __init__._cpu_rank_default = True  # type: ignore[attr-defined]
     cls.__init__ = __init__
-
-
-class _AccelerateStateHook(importlib.abc.MetaPathFinder):
-    """Applies ``_default_to_cpu`` to ``accelerate.state`` right after it is first executed."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != _ACCELERATE_STATE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        loader = getattr(spec, "loader", None)
-        if spec is None or loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        execute = loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            execute(module)
-            _default_to_cpu(module)
-
-        loader.exec_module = exec_module
-        return spec
 
 
 def inside_rank(environ: dict[str, str] | os._Environ[str] | None = None) -> bool:

@@ -201,3 +201,45 @@ def test_html_a_figure_and_display_from_each_rank_show_as_rich_output_labelled_w
         assert base64.b64decode(bundles[2]["image/png"]).startswith(b"\x89PNG")
     shown_now = run_ok(kernel, "%%distributed\nimport matplotlib.pyplot as plt\nplt.get_fignums()")
     assert shown_now.result == "[rank0]: []\n[rank1]: []"  # shown figures are closed
+
+
+def test_tqdm_bars_from_each_rank_show_as_bars_that_update_in_place(kernel):
+    cell = run_ok(
+        kernel,
+        "%%distributed\n"
+        "import tqdm\n"
+        "from tqdm.auto import tqdm as auto_bar\n"
+        "for _ in auto_bar(range(3), desc='<img src=x onerror=alert(1)>'):\n"
+        "    pass\n"
+        "for _ in tqdm.tqdm(range(4), desc='plain'):\n"
+        "    pass\n",
+    )
+    shown = [m["content"] for m in cell.messages if m["msg_type"] in ("display_data", "update_display_data")]
+    assert all("application/vnd.jupyter.widget-view+json" not in c["data"] for c in shown)  # no widget
+    last = {c["transient"]["display_id"]: c["data"] for c in shown}  # each bar's final state
+    assert len(last) == 4, shown
+    finals = sorted(data["text/html"] for data in last.values())
+    for rank in (0, 1):
+        escaped = f"<b>rank {rank} · &lt;img src=x onerror=alert(1)&gt;</b>"
+        assert [h for h in finals if escaped in h and "100% 3/3" in h], finals
+        assert [h for h in finals if f"<b>rank {rank} · plain</b>" in h and "100% 4/4" in h], finals
+    assert "plain: 100%" not in cell.stderr  # drawn as a bar, not printed again
+    assert sorted(data["text/plain"][:18] for data in last.values()) == (
+        ["[rank0]: <img src=", "[rank0]: plain: 10", "[rank1]: <img src=", "[rank1]: plain: 10"]
+    )
+
+
+def test_display_from_ranks_started_afresh_shows_as_rich_output(kernel):
+    run_ok(kernel, "%distributed stop\n%distributed start -n 2 --hardware cpu --start-method spawn")
+    try:
+        cell = run_ok(
+            kernel,
+            "%%distributed\n"
+            "from IPython.display import HTML, display\n"
+            "display(HTML(f'<b>from {rank}</b>'))\n",
+        )
+    finally:
+        run_ok(kernel, "%distributed stop\n%distributed start -n 2 --hardware cpu")
+    shown = [m["content"]["data"] for m in cell.messages if m["msg_type"] == "display_data"]
+    assert sorted(d["text/html"] for d in shown if "text/html" in d) == ["<b>from 0</b>", "<b>from 1</b>"]
+    assert "IPython.core.display.HTML object" not in cell.stdout

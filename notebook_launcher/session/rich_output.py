@@ -18,6 +18,8 @@ import io
 import sys
 from typing import Any, Callable
 
+from notebook_launcher.after_import import after_import
+
 BACKEND = "module://notebook_launcher.session.figure_backend"
 _REPRS = (
     ("text/html", "_repr_html_"),
@@ -51,6 +53,9 @@ def start(send: Callable[[RichOutput], None]) -> None:
     shells = sys.modules.get("IPython.core.interactiveshell")
     if shells is not None and shells.InteractiveShell.initialized():
         shells.InteractiveShell.instance().display_pub = _Publisher()  # the kernel's, inherited
+    else:  # a rank started afresh: without a shell, IPython's display() would print a repr
+        for name in _IPYTHON_DISPLAYS:
+            after_import(name, _display_here)
     import os
 
     os.environ["MPLBACKEND"] = BACKEND  # the kernel's inline backend cannot reach the notebook
@@ -58,6 +63,34 @@ def start(send: Callable[[RichOutput], None]) -> None:
         import matplotlib
 
         matplotlib.use(BACKEND)
+    for name in _NOTEBOOK_BARS:
+        after_import(name, _text_bars)
+
+
+# IPython's modules that define or re-export display(); a name imported from one before
+# the rank started keeps IPython's own.
+_IPYTHON_DISPLAYS = ("IPython.core.display_functions", "IPython.core.display", "IPython.display")
+
+
+def _display_here(module: Any) -> None:
+    if hasattr(module, "display"):
+        module.display = display
+
+
+# tqdm's modules that pick (or are) its notebook widget, which needs a frontend the rank
+# has not: there a bar is drawn as text, and the kernel shows it as a bar (progress_bars).
+_NOTEBOOK_BARS = ("tqdm.autonotebook", "tqdm.notebook", "tqdm.auto")
+
+
+def _text_bars(module: Any) -> None:
+    from tqdm import asyncio, std
+
+    if module.__name__ == "tqdm.auto":  # tqdm.auto's bars also iterate asynchronously
+        module.tqdm, module.trange = asyncio.tqdm, asyncio.trange
+        return
+    module.tqdm, module.trange = std.tqdm, std.trange
+    if module.__name__ == "tqdm.notebook":
+        module.tqdm_notebook, module.tnrange = std.tqdm, std.trange
 
 
 def display(*objects: Any, **_: Any) -> None:

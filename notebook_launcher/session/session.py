@@ -34,6 +34,7 @@ from notebook_launcher.session.capture import check_picklable
 from notebook_launcher.session.cell_failure import cell_error, rank_names
 from notebook_launcher.session.completion import merge
 from notebook_launcher.session.interrupts import StopPresses
+from notebook_launcher.session.progress_bars import ProgressBars
 from notebook_launcher.session.protocol import (
     Call,
     Command,
@@ -76,7 +77,8 @@ class Session:
         observers: list[LaunchObserver] | None = None,
     ) -> None:
         self.plan = make_plan(num_processes, mixed_precision, start_method, hardware, output)
-        self._observers: list[LaunchObserver] = [TextPrinter(self.plan.output), *(observers or [])]
+        self._bars = ProgressBars(TextPrinter(self.plan.output), self.plan.output)
+        self._observers: list[LaunchObserver] = [self._bars, *(observers or [])]
         self._seq = 0
         self._generation = 0
         self._closed = False
@@ -412,6 +414,7 @@ class Session:
         ranks = self._check_usable()
         self._seq += 1
         seq = self._seq
+        self._bars.new_cell()
         presses = StopPresses()
         self._stopped_where, self._timed_out = [], False
         ranks.pumping.acquire()
