@@ -108,6 +108,73 @@ def test_cpu_offload_and_disk_offload_keep_ties_and_outputs(reference, tmp_path,
         assert torch.equal(model(IDS), reference["expected"])
 
 
+class Normed(torch.nn.Module):
+    """Two blocks with saved buffers (batch norm's running statistics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+        self.second = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+@pytest.mark.parametrize("offload_buffers", [False, True])
+def test_buffers_stay_on_the_running_device_unless_offloaded_too(tmp_path, kind, offload_buffers):
+    torch.manual_seed(0)
+    model = Normed().eval()
+    for norm in (model.first[1], model.second[1]):
+        norm.running_mean.uniform_(-1, 1)
+        norm.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        expected = model(x)
+    if kind == "cpu":
+        bm.cpu_offload(model, execution_device="cpu", offload_buffers=offload_buffers)
+    else:
+        bm.disk_offload(model, tmp_path, offload_buffers=offload_buffers)
+        index = json.loads((tmp_path / "offload-index.json").read_text())
+        assert ("second.1.running_mean" in index) == offload_buffers
+    assert model.second[0].weight.device.type == "meta"
+    assert model.second[1].running_mean.device.type == ("meta" if offload_buffers else "cpu")
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+        assert torch.equal(model(x), expected)
+
+
+def test_skip_keys_are_passed_on_where_they_are_and_other_inputs_are_moved():
+    from notebook_launcher.big_modeling.hooks import Block, Runner
+    from notebook_launcher.big_modeling.placement import OffloadState
+
+    seen = {}
+
+    class Looks(torch.nn.Module):
+        def forward(self, x: torch.Tensor, cache: torch.Tensor, mask: torch.Tensor) -> None:
+            seen.update(x=x.device.type, cache=cache.device.type, mask=mask.device.type)
+
+    module = Looks()
+    # The meta device stands in for a GPU: moving a tensor there is real, and costs nothing.
+    block = Block("", module, torch.device("meta"), moves_inputs=True, skip_keys=frozenset({"cache"}))
+    runner = Runner(module, [block], OffloadState(), {}, io_same_device=False)
+    module(torch.ones(2), cache=torch.ones(2), mask=torch.ones(2))
+    runner.remove()
+    assert seen == {"x": "meta", "cache": "cpu", "mask": "meta"}
+
+
+def test_accelerates_arguments_that_cannot_apply_say_why(reference, tmp_path):
+    with pytest.raises(TypeError, match=r"offload_index=\.\.\.\) is not supported"):
+        bm.dispatch_model(TinyLM(), {"": "cpu"}, offload_index={"a": {}})
+    with pytest.raises(TypeError, match=r"skip_keys=3 must be the name of a keyword argument"):
+        bm.dispatch_model(TinyLM(), {"": "cpu"}, skip_keys=3)
+    model = empty_model()  # those that change nothing here are accepted
+    bm.load_checkpoint_and_dispatch(model, reference["root"] / "sharded", device_map=CPU_AND_DISK,
+                                    offload_folder=tmp_path, offload_state_dict=True, force_hooks=True,
+                                    preload_module_classes=["Block"], skip_keys=["cache"])
+    assert torch.equal(model(IDS), reference["expected"])
+
+
 def test_load_checkpoint_in_model_alone_fills_a_model_built_empty(reference):
     model = empty_model()
     bm.load_checkpoint_in_model(model, reference["root"] / "one.safetensors")

@@ -64,15 +64,32 @@ def dispatch_model(
     loaded by :func:`load_checkpoint_in_model` stay where it put them; weights still in the
     model are moved (``"disk"`` ones are written into ``offload_dir``).
 
+    accelerate's other arguments: ``offload_buffers=True`` offloads the saved buffers with
+    the parameters (by default buffers stay on the device that runs their block);
+    ``skip_keys`` (a name or names) are keyword arguments of a block's forward passed on
+    where they are instead of moved to the block's device (a cache object, for example).
+    ``preload_module_classes`` and ``force_hooks`` change nothing here: every offloaded
+    block already receives all its weights before its forward starts, and a model on one
+    device runs without hooks. Weights offloaded earlier are read from the checkpoint, not
+    from an ``offload_index``.
+
     Raises:
         DeviceMapError: the map names a missing module or device, or leaves a weight out.
         OffloadFolderError: ``"disk"`` is in the map and ``offload_dir`` is missing or not writable.
         CheckpointMismatchError: a weight is still on the meta device (never loaded).
+        TypeError: ``offload_index`` is given, or ``skip_keys`` is not a name or names.
     """
+    if offload_index is not None:
+        raise TypeError(
+            "dispatch_model(offload_index=...) is not supported: weights offloaded to disk are "
+            "written and read by this package in files of its own. Load them from the checkpoint "
+            "instead: load_checkpoint_and_dispatch(model, checkpoint, device_map, offload_folder=...)."
+        )
+    skipped = _key_names(skip_keys)
     weights = model_weights(model)
     resolved = resolve_device_map(model, device_map, weights)
     main = normalize_device(main_device, "main_device") if main_device is not None else _main(resolved)
-    placed = homes(weights, resolved, main)
+    placed = homes(weights, resolved, main, offload_buffers)
     state = attach_state(model)
     supplied = dict(state_dict or {})
     _check_loaded(model, weights, placed, state, supplied)
@@ -106,11 +123,24 @@ def dispatch_model(
             install(weight, tensor.detach().to(home))
     if state.disk is not None and pending:
         state.disk.finish_writing()
-    _attach(model, weights, resolved, placed, main, state)
+    _attach(model, weights, resolved, placed, main, state, skipped)
     setattr(model, "hf_device_map", dict(resolved))  # noqa: B010 - the attribute transformers and accelerate read
     if isinstance(device_map, DeviceMap) and device_map.budgets:
         setattr(model, "_big_model_plan", device_map)  # noqa: B010 - its budgets, for show_device_map
     return model
+
+
+def _key_names(skip_keys: Any) -> frozenset[str]:
+    if skip_keys is None:
+        return frozenset()
+    if isinstance(skip_keys, str):
+        return frozenset([skip_keys])
+    if isinstance(skip_keys, (list, tuple, set, frozenset)) and all(isinstance(k, str) for k in skip_keys):
+        return frozenset(skip_keys)
+    raise TypeError(
+        f"skip_keys={skip_keys!r} must be the name of a keyword argument, or a list of names, "
+        "of the forward of the model's blocks."
+    )
 
 
 def _main(device_map: Mapping[str, str]) -> str:
@@ -132,7 +162,7 @@ def _check_loaded(model: torch.nn.Module, weights: dict[str, Weight], placed: di
 
 
 def _attach(model: torch.nn.Module, weights: dict[str, Weight], device_map: DeviceMap,
-            placed: dict[str, str], main: str, state: Any) -> None:
+            placed: dict[str, str], main: str, state: Any, skip_keys: frozenset[str] = frozenset()) -> None:
     previous: Runner | None = getattr(model, RUNNER_ATTRIBUTE, None)
     if previous is not None:
         previous.remove()
@@ -151,7 +181,8 @@ def _attach(model: torch.nn.Module, weights: dict[str, Weight], device_map: Devi
     for key, device in run_map.items():
         host = key if key in modules else (key.rsplit(".", 1)[0] if "." in key else "")
         if host not in blocks:
-            blocks[host] = Block(host, modules[host], torch.device(exec_device(device, main)), moves_inputs=several)
+            blocks[host] = Block(host, modules[host], torch.device(exec_device(device, main)),
+                                 moves_inputs=several, skip_keys=skip_keys)
     for weight in weights.values():
         for slot in weight.slots:
             entry = entry_of(slot.name, run_map)
@@ -227,7 +258,8 @@ def cpu_offload(
     device_map = dict.fromkeys(_offload_units(model), "cpu")
     weights = model_weights(model)
     resolved = resolve_device_map(model, device_map, weights)
-    placed = {n: CPU_STORE if w.is_parameter or w.persistent else device for n, w in weights.items()}
+    placed = {n: CPU_STORE if w.is_parameter or (offload_buffers and w.persistent) else device
+              for n, w in weights.items()}
     state = attach_state(model)
     for name, weight in weights.items():
         tensor = current(weight)
@@ -255,9 +287,8 @@ def disk_offload(
     ``execution_device``, its weights read one block ahead of use."""
     device = _execution_device(model, execution_device)
     device_map = dict.fromkeys(_offload_units(model), "disk")
-    if device != "cpu":
-        return dispatch_model(model, device_map, main_device=device, offload_dir=offload_dir)
-    return dispatch_model(model, device_map, offload_dir=offload_dir)
+    return dispatch_model(model, device_map, main_device=device if device != "cpu" else None,
+                          offload_dir=offload_dir, offload_buffers=offload_buffers)
 
 
 def load_checkpoint_and_dispatch(
@@ -304,8 +335,10 @@ def load_checkpoint_and_dispatch(
         device_map = infer_auto_device_map(model, budgets, no_split_module_classes, dtype)
     elif device_map is None:
         device_map = {"": "cpu"}
-    load_checkpoint_in_model(model, checkpoint, device_map, offload_folder=offload_folder, dtype=dtype, strict=strict)
-    return dispatch_model(model, device_map, offload_dir=offload_folder)
+    load_checkpoint_in_model(model, checkpoint, device_map, offload_folder=offload_folder, dtype=dtype,
+                             offload_buffers=offload_buffers, strict=strict)
+    return dispatch_model(model, device_map, offload_dir=offload_folder, offload_buffers=offload_buffers,
+                          skip_keys=skip_keys)
 
 
 def offload_state(model: torch.nn.Module) -> Any:

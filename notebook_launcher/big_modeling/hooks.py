@@ -29,6 +29,7 @@ class Block:
     borrowed: list[Weight] = field(default_factory=list)
     slots: dict[str, list[Slot]] = field(default_factory=dict)  # weight name -> its slots here
     moves_inputs: bool = False
+    skip_keys: frozenset[str] = frozenset()  # keyword arguments passed on where they are
 
     @property
     def needs_thread(self) -> bool:
@@ -189,7 +190,8 @@ class Runner:
             if block.borrowed:
                 self._lend(block)
             if block.moves_inputs:
-                return _move(args, block.device), _move(kwargs, block.device)
+                moved = {k: v if k in block.skip_keys else _move(v, block.device) for k, v in kwargs.items()}
+                return _move(args, block.device), moved
             return None
 
         return hook

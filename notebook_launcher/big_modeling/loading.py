@@ -79,7 +79,7 @@ def load_checkpoint_in_model(
         device_map = {"": device}
     resolved = resolve_device_map(model, device_map, weights)
     main = main_device(resolved)
-    placed = homes(weights, resolved, main)
+    placed = homes(weights, resolved, main, offload_buffers)
     state: OffloadState = getattr(model, STATE_ATTRIBUTE, None) or OffloadState()
     dtype_ = resolve_dtype(dtype)
     fp32 = tuple(keep_in_fp32_modules or ())

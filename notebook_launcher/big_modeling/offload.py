@@ -90,7 +90,7 @@ class DiskStore:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         place = self.placed[name]
         data = tensor.detach().to("cpu", place.dtype).contiguous()
-        raw = data.view(torch.uint8).reshape(-1).numpy() if data.numel() else b""
+        raw = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b""  # 0-dim too
         fd = self._fd(place.file, write=True)
         written = os.pwrite(fd, cast(Any, raw) if len(raw) else b"", place.offset)
         if written != place.nbytes:

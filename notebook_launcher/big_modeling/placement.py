@@ -26,17 +26,20 @@ def exec_device(device: str, main: str) -> str:
     return device if device.startswith("cuda:") or (device == "cpu" and main == "cpu") else main
 
 
-def homes(weights: Mapping[str, Weight], device_map: Mapping[str, str], main: str) -> dict[str, str]:
+def homes(
+    weights: Mapping[str, Weight], device_map: Mapping[str, str], main: str, offload_buffers: bool = False
+) -> dict[str, str]:
     """Each weight's home: a device it stays on, CPU_STORE, or DISK.
 
     A tied weight lives once, at the best place any of its names is mapped to (a GPU before
-    the CPU before the disk); its other names borrow it there. Buffers are never offloaded:
-    they stay on the device that runs their block.
+    the CPU before the disk); its other names borrow it there. Buffers stay on the device
+    that runs their block (as accelerate's default), unless ``offload_buffers`` sends the
+    saved ones (persistent buffers) where their block's parameters go.
     """
     result: dict[str, str] = {}
     for name, weight in weights.items():
         devices = [d for d in (home_of(slot.name, device_map) for slot in weight.slots) if d is not None]
-        if not weight.is_parameter and not weight.persistent:
+        if not weight.is_parameter and not (weight.persistent and offload_buffers):
             result[name] = exec_device(devices[0], main) if devices else main
             continue
         best = min(devices, key=lambda d: (_ORDER.get(d, 0), d))
