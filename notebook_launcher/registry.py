@@ -37,6 +37,9 @@ class LaunchRecord:
     # The kernel's pid namespace: a record read from another one (a container's, through a
     # shared runtime directory) names a pid that means nothing here.
     pid_namespace: str = ""
+    # A session's answer to the sidebar's "where?": one line per rank, and when it was made.
+    where: list[str] = dataclasses.field(default_factory=list)
+    where_at: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -71,6 +74,7 @@ class RegisteredLaunch:
         self._dir = registry_dir()
         self._path = self._dir / f"{record.launch_id}.json"
         self._stop_path = self._dir / f"{record.launch_id}.stop"
+        self._where_path = self._dir / f"{record.launch_id}.where"
         self._write()
 
     def update(self, **changes: Any) -> None:
@@ -80,8 +84,16 @@ class RegisteredLaunch:
     def stop_requested(self) -> bool:
         return self._stop_path.exists()
 
+    def where_requested(self) -> bool:
+        """Whether the sidebar asked where the ranks are since the last call (it asks once)."""
+        try:
+            self._where_path.unlink()
+        except OSError:
+            return False
+        return True
+
     def close(self) -> None:
-        for path in (self._path, self._stop_path):
+        for path in (self._path, self._stop_path, self._where_path):
             with contextlib.suppress(OSError):  # never written (a runtime dir unusable), or gone
                 path.unlink()
 
@@ -106,7 +118,7 @@ def list_launches() -> list[LaunchRecord]:
         else:
             if record.pid_namespace and record.pid_namespace == _pid_namespace():
                 _end_left_behind(record.launch_id)
-            for stale in (path, path.with_suffix(".stop")):
+            for stale in (path, path.with_suffix(".stop"), path.with_suffix(".where")):
                 with contextlib.suppress(FileNotFoundError):
                     stale.unlink()
     return sorted(records, key=lambda r: r.started_at)
@@ -120,6 +132,17 @@ def request_stop(launch_id: str) -> bool:
     if not any(r.launch_id == launch_id for r in list_launches()):
         return False
     (directory / f"{launch_id}.stop").write_text(str(time.time()))
+    return True
+
+
+def request_where(launch_id: str) -> bool:
+    """Ask a running session where its ranks are; its record says so soon after. False when
+    no such session runs (a launch of one function does not answer)."""
+    if not launch_id.isalnum():  # it names a file: refuse anything path-like
+        return False
+    if not any(r.launch_id == launch_id and r.kind == "session" for r in list_launches()):
+        return False
+    (registry_dir() / f"{launch_id}.where").write_text(str(time.time()))
     return True
 
 

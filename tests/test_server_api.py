@@ -160,6 +160,7 @@ def test_a_save_that_fails_keeps_the_old_file_and_says_why(
         ("POST", ("defaults",), {"num_processes": 1}),
         ("GET", ("launches",), None),
         ("POST", ("launches", "abc123", "stop"), "{}"),
+        ("POST", ("launches", "abc123", "where"), "{}"),
     ],
 )
 def test_every_endpoint_refuses_a_request_without_the_token(

@@ -127,3 +127,33 @@ def test_a_session_is_listed_as_a_session(api: Api) -> None:
     finally:
         session.close()
     assert [(x["launch_id"], x["kind"]) for x in launches] == [("5e5510", "session")]
+
+
+def test_where_asks_a_session_and_the_list_shows_its_answer(api: Api) -> None:
+    session = RegisteredLaunch(_record("5e5510", None, os.getpid(), kind="session"))
+    try:
+        status, body = api("launches", "5e5510", "where", method="POST", body="{}")
+        assert (status, body) == (202, {"launch_id": "5e5510", "where_requested": True})
+        assert session.where_requested()  # what the session's watcher polls
+        assert not session.where_requested()  # asked once, answered once
+        lines = ["rank 0: cell 3, line 2, in time.sleep", "rank 1: idle, waiting for the next cell"]
+        session.update(where=lines, where_at=123.0)
+        (listed,) = api("launches")[1]["launches"]
+    finally:
+        session.close()
+    assert (listed["where"], listed["where_at"]) == (lines, 123.0)
+    assert list(registry.registry_dir().iterdir()) == []
+
+
+@pytest.mark.parametrize("launch_id", ["a1b2c3", "ffffff", "..", "a1b2c3.json"])
+def test_where_for_anything_but_a_running_session_is_a_404_that_says_so(
+    api: Api, running: RegisteredLaunch, launch_id: str
+) -> None:
+    # a1b2c3 runs, but as a launch of one function, whose ranks cannot say where they are.
+    status, body = api("launches", launch_id, "where", method="POST", body="{}")
+    assert status == 404
+    assert body == {
+        "message": f"No running session has the id {launch_id!r}: only a session's ranks can say "
+        "where they are, and it may have ended. The list of launches shows the ones running now."
+    }
+    assert sorted(p.name for p in registry.registry_dir().iterdir()) == ["a1b2c3.json"]

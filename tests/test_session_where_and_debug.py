@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import base64
 import re
+import time
 
 import pytest
+
+from notebook_launcher import registry
 
 from .kernel_driver import CellRun, RunningKernel, run_ok, wait_for_output, with_session
 
@@ -19,7 +22,9 @@ def kernel():
 
 def next_cell_number(kernel: RunningKernel) -> int:
     """The number the notebook shows on the next cell (``In [n]``), as tracebacks name it."""
-    return int(run_ok(kernel, "get_ipython().execution_count").result) + 1
+    shown = [m["content"]["execution_count"] for m in run_ok(kernel, "pass").messages
+             if m["msg_type"] == "execute_input"]
+    return shown[0] + 1
 
 
 def run_answering(kernel: RunningKernel, code: str, answers: list[str]) -> tuple[CellRun, list[str]]:
@@ -64,6 +69,22 @@ def test_a_cell_past_its_timeout_names_each_ranks_line_one_in_sleep_one_blocked_
     assert after.result == "[rank0]: [2.0, 2.0]\n[rank1]: [2.0, 2.0]"
 
 
+def where_the_sidebar_is_told(kernel: RunningKernel) -> list[str]:
+    """Ask the kernel's session where its ranks are, as the server does, and read the answer
+    from its record once it is there."""
+    (record,) = [r for r in registry.list_launches() if r.kernel_pid == kernel.pid and r.kind == "session"]
+    assert record.where_at is None or record.where
+    asked_after = record.where_at
+    assert registry.request_where(record.launch_id)
+    deadline = time.monotonic() + 120  # a safety net: the watcher answers within a second
+    while time.monotonic() < deadline:
+        (record,) = [r for r in registry.list_launches() if r.launch_id == record.launch_id]
+        if record.where_at != asked_after:
+            return record.where
+        time.sleep(0.05)
+    raise AssertionError("the session did not answer where its ranks are")
+
+
 def test_the_stop_button_names_where_each_rank_was_inside_a_function_of_the_cell(kernel):
     n = next_cell_number(kernel)
     msg_id = kernel.submit(
@@ -77,6 +98,10 @@ def test_the_stop_button_names_where_each_rank_was_inside_a_function_of_the_cell
         "wait()\n"
     )
     wait_for_output(kernel, msg_id, ["[rank0]: waiting", "[rank1]: waiting"])
+    # The sidebar asks too, while the cell runs (through the record it lists).
+    assert where_the_sidebar_is_told(kernel) == [
+        f"rank 0: cell {n}, line 7, in time.sleep", f"rank 1: cell {n}, line 4 (in wait), in time.sleep"
+    ]
     kernel.manager.interrupt_kernel()
     cell = kernel.collect(msg_id, timeout=600)  # a safety net: it ends in seconds
     assert cell.error["ename"] == "KeyboardInterrupt"

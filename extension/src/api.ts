@@ -94,6 +94,9 @@ export interface ILaunchInfo {
   rank_pids: number[];
   /** "launch", or "session": ranks kept across cells (%distributed) */
   kind?: string;
+  /** A session's answer to "where?": one line per rank, and when it was made. */
+  where?: string[];
+  where_at?: number | null;
 }
 
 export interface ILaunchesReply {
@@ -172,6 +175,14 @@ export function getLaunches(): Promise<ILaunchesReply> {
 export function stopLaunch(launchId: string): Promise<unknown> {
   return request<unknown>(
     URLExt.join('launches', encodeURIComponent(launchId), 'stop'),
+    { method: 'POST', body: '{}' }
+  );
+}
+
+/** Ask a session where its ranks are; its record in the list says so soon after. */
+export function askWhere(launchId: string): Promise<unknown> {
+  return request<unknown>(
+    URLExt.join('launches', encodeURIComponent(launchId), 'where'),
     { method: 'POST', body: '{}' }
   );
 }

@@ -1,6 +1,12 @@
 import { Widget } from '@lumino/widgets';
 
-import { errorMessage, ILaunchesReply, ILaunchInfo, stopLaunch } from './api';
+import {
+  askWhere,
+  errorMessage,
+  ILaunchesReply,
+  ILaunchInfo,
+  stopLaunch
+} from './api';
 import { h, setStatus } from './dom';
 
 /** "42 s", "3 min 5 s", "2 h 10 min" */
@@ -15,12 +21,16 @@ export function formatDuration(seconds: number): string {
   return `${Math.floor(s / 3600)} h ${Math.floor((s % 3600) / 60)} min`;
 }
 
+// A "where?" the session has not answered after this many listings may be asked again.
+const WHERE_LISTINGS = 5;
+
 /**
- * The launches running now on this server, each with a stop button.
+ * The launches running now on this server, each with a stop button; a session also says,
+ * when asked, where each of its ranks is.
  */
 export class LaunchesWidget extends Widget {
-  /** Called after a stop was requested, so the owner can refresh at once. */
-  onStopped: () => void = () => undefined;
+  /** Called after a stop or a "where?" was requested, so the owner can refresh at once. */
+  onRequested: () => void = () => undefined;
 
   constructor() {
     super();
@@ -44,6 +54,24 @@ export class LaunchesWidget extends Widget {
     for (const id of this._stopRequested) {
       if (!running.has(id)) {
         this._stopRequested.delete(id);
+      }
+    }
+    for (const launch of reply.launches) {
+      const asked = this._whereAsked.get(launch.launch_id);
+      if (asked === undefined) {
+        continue;
+      }
+      asked.listings += 1;
+      if (
+        (launch.where_at ?? null) !== asked.answeredAt ||
+        asked.listings > WHERE_LISTINGS
+      ) {
+        this._whereAsked.delete(launch.launch_id);
+      }
+    }
+    for (const id of this._whereAsked.keys()) {
+      if (!running.has(id)) {
+        this._whereAsked.delete(id);
       }
     }
     if (reply.launches.length === 0) {
@@ -89,7 +117,7 @@ export class LaunchesWidget extends Widget {
       stop.textContent = 'Stopping…';
       this._stopRequested.add(launch.launch_id);
       stopLaunch(launch.launch_id)
-        .then(() => this.onStopped())
+        .then(() => this.onRequested())
         .catch((error: unknown) => {
           this._stopRequested.delete(launch.launch_id);
           stop.disabled = false;
@@ -103,7 +131,8 @@ export class LaunchesWidget extends Widget {
     });
     const device =
       launch.accelerator === 'cuda' ? 'GPU' : launch.accelerator.toUpperCase();
-    const what = launch.kind === 'session' ? 'Session: ' : '';
+    const isSession = launch.kind === 'session';
+    const what = isSession ? 'Session: ' : '';
     return h(
       'li',
       {
@@ -124,12 +153,73 @@ export class LaunchesWidget extends Widget {
           className: 'jp-NotebookLauncher-launch-state',
           text: `${launch.state} since ${started} (${formatDuration(now - launch.started_at)})`
         }),
+        ...(isSession ? this._where(launch, now) : []),
         stop
       ]
     );
   }
 
+  /** A session's "Where?" button, and its last answer: one line per rank. */
+  private _where(launch: ILaunchInfo, now: number): HTMLElement[] {
+    const asking = this._whereAsked.has(launch.launch_id);
+    const button = h('button', {
+      className: 'jp-mod-styled jp-NotebookLauncher-where',
+      text: asking ? 'Asking…' : 'Where are the ranks?',
+      attrs: {
+        type: 'button',
+        'aria-label': `Where are the ranks of session ${launch.launch_id}?`
+      }
+    });
+    button.disabled = asking;
+    button.addEventListener('click', () => {
+      setStatus(this._stopStatus, '');
+      button.disabled = true;
+      button.textContent = 'Asking…';
+      this._whereAsked.set(launch.launch_id, {
+        answeredAt: launch.where_at ?? null,
+        listings: 0
+      });
+      askWhere(launch.launch_id)
+        .then(() => this.onRequested())
+        .catch((error: unknown) => {
+          this._whereAsked.delete(launch.launch_id);
+          button.disabled = false;
+          button.textContent = 'Where are the ranks?';
+          setStatus(
+            this._stopStatus,
+            `Could not ask the session: ${errorMessage(error)}`,
+            'error'
+          );
+        });
+    });
+    const shown: HTMLElement[] = [button];
+    if (launch.where_at && launch.where?.length) {
+      // Plain text: a cell's own words (a function's name) never become markup.
+      shown.push(
+        h(
+          'ul',
+          {
+            className: 'jp-NotebookLauncher-launch-ranks',
+            attrs: {
+              'aria-label': `Where the ranks were ${formatDuration(now - launch.where_at)} ago`
+            }
+          },
+          launch.where.map(line => h('li', { text: line }))
+        ),
+        h('div', {
+          className: 'jp-NotebookLauncher-launch-where-age',
+          text: `as of ${formatDuration(now - launch.where_at)} ago`
+        })
+      );
+    }
+    return shown;
+  }
+
   private _stopRequested = new Set<string>();
+  private _whereAsked = new Map<
+    string,
+    { answeredAt: number | null; listings: number }
+  >();
   private _list = h('ul', { className: 'jp-NotebookLauncher-launch-list' });
   private _listStatus = h('p', { className: 'jp-NotebookLauncher-status' });
   private _stopStatus = h('p', { className: 'jp-NotebookLauncher-status' });

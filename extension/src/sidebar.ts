@@ -24,7 +24,7 @@ export class DistributedSidebar extends Panel {
     this.addWidget(this._hardware);
     this.addWidget(this._defaults);
     this.addWidget(this._launches);
-    this._launches.onStopped = () => {
+    this._launches.onRequested = () => {
       void this._poll.refresh();
     };
     this._poll = new Poll({

@@ -5,6 +5,7 @@ GET  defaults                  the saved launch defaults and what a launch will 
 POST defaults                  replace the saved defaults (validated against the hardware)
 GET  launches                  the launches running now, with their notebooks
 POST launches/<launch_id>/stop ask one launch to stop its ranks
+POST launches/<launch_id>/where ask a session where its ranks are (its record then says)
 
 The reply shapes are the TypedDicts below; extension/src/api.ts mirrors them.
 """
@@ -109,6 +110,8 @@ class LaunchInfo(TypedDict):
     started_at: float
     rank_pids: list[int]
     kind: str  # "launch", or "session" (ranks kept across cells)
+    where: list[str]  # a session's ranks, one line each, when last asked (see WhereHandler)
+    where_at: float | None
 
 
 class LaunchesReply(TypedDict):
@@ -233,6 +236,8 @@ class LaunchesHandler(_Handler):
                 started_at=r.started_at,
                 rank_pids=list(r.rank_pids),
                 kind=r.kind,
+                where=list(r.where),
+                where_at=r.where_at,
             )
             for r in registry.list_launches()
         ]
@@ -264,6 +269,21 @@ class StopHandler(_Handler):
         self._reply({"launch_id": launch_id, "stop_requested": True}, 202)
 
 
+class WhereHandler(_Handler):
+    @tornado.web.authenticated
+    @authorized
+    async def post(self, launch_id: str) -> None:
+        if not registry.request_where(launch_id):
+            self._refuse(
+                404,
+                f"No running session has the id {launch_id!r}: only a session's ranks can say "
+                "where they are, and it may have ended. The list of launches shows the ones "
+                "running now.",
+            )
+            return
+        self._reply({"launch_id": launch_id, "where_requested": True}, 202)
+
+
 def setup_handlers(web_app: tornado.web.Application) -> None:
     base = url_path_join(web_app.settings["base_url"], "notebook-launcher")
     web_app.add_handlers(
@@ -273,5 +293,6 @@ def setup_handlers(web_app: tornado.web.Application) -> None:
             (url_path_join(base, "defaults"), DefaultsHandler),
             (url_path_join(base, "launches"), LaunchesHandler),
             (url_path_join(base, "launches", r"(?P<launch_id>[^/]+)", "stop"), StopHandler),
+            (url_path_join(base, "launches", r"(?P<launch_id>[^/]+)", "where"), WhereHandler),
         ],
     )

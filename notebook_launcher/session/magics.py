@@ -293,7 +293,7 @@ class DistributedMagics(Magics):
         events.register("post_run_cell", once)
 
     def _cell(self, args: argparse.Namespace, cell: str) -> Any:
-        filename = f"In[{self._shell.execution_count}]"
+        filename = f"In[{_cell_number(self._shell)}]"
         self._transforming_body = True
         try:
             transformed = transform_cell(self._shell, cell)
@@ -384,3 +384,12 @@ def load_ipython_extension(ipython: Any) -> None:
     magics = DistributedMagics(ipython)
     ipython.register_magics(magics)
     install(ipython, lambda: magics.session, lambda: magics.auto)
+
+
+def _cell_number(shell: Any) -> int:
+    """The number the notebook shows on the running cell (``In [n]``). IPython 9 counts the
+    next cell from the start of this one, earlier versions from its end; the result it fills
+    for this cell holds the cell's own either way."""
+    running = getattr(shell.displayhook, "exec_result", None)
+    number = getattr(running, "execution_count", None)
+    return number if isinstance(number, int) else shell.execution_count

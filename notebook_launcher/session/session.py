@@ -136,12 +136,19 @@ class Session:
         self._watcher.start()
 
     def _watch_sidebar(self, record: registry.RegisteredLaunch, ranks: SessionRanks) -> None:
-        """The sidebar's Stop works between cells too: nothing else runs in the kernel then."""
+        """The sidebar's Stop and "where?" work between cells too: nothing else runs in the
+        kernel then."""
         while not self._watch_stop.wait(_WAKE_S):
             if record.stop_requested():
                 self._stopped_from_outside = True
                 ranks.stop()
                 return
+            if record.where_requested():
+                try:
+                    lines = self.where()
+                except Exception as error:  # ended meanwhile: the sidebar says why
+                    lines = [f"the ranks cannot say: {error}"]
+                record.update(where=lines, where_at=time.time())
 
     def _release(self) -> None:
         self._watch_stop.set()

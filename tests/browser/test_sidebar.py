@@ -130,9 +130,9 @@ def _wait_for_idle_kernel(page: object) -> None:
     page.wait_for_function(KERNEL_IDLE, timeout=90_000)  # type: ignore[attr-defined]
 
 
-def _run_notebook_in_lab(page: object, lab: JupyterServer, name: str, source: str) -> object:
-    """Open a one-cell notebook next to the sidebar and start running it (without waiting)."""
-    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
+def _run_notebook_in_lab(page: object, lab: JupyterServer, name: str, *sources: str) -> object:
+    """Open a notebook of these cells next to the sidebar and start running it (without waiting)."""
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in sources])
     notebook.metadata["kernelspec"] = {
         "name": "python3",
         "display_name": "Python 3",
@@ -182,6 +182,38 @@ def test_a_running_launch_is_listed_and_stopped_from_the_sidebar(page: object, l
     expect(sidebar).to_contain_text("No launch is running.", timeout=15_000)  # type: ignore[arg-type]
     expect(sidebar.get_by_role("alert")).to_have_count(0)  # type: ignore[attr-defined]
     screenshot(page, "sidebar-4-stopped")
+
+
+def test_the_sidebar_says_where_each_rank_of_a_session_is(page: object, lab: JupyterServer) -> None:
+    from playwright.sync_api import expect
+
+    sidebar = _run_notebook_in_lab(
+        page, lab, "session.ipynb",
+        "%load_ext notebook_launcher\n%distributed start -n 2 --hardware cpu",
+        "%%distributed\nimport time\nprint('napping', flush=True)\ntime.sleep(600 if rank == 0 else 0)",
+    )  # fmt: skip
+    row = sidebar.locator(".jp-NotebookLauncher-launch")  # type: ignore[attr-defined]
+    ranks = row.locator(".jp-NotebookLauncher-launch-ranks li")
+    try:
+        expect(row).to_contain_text("Session: 2 x CPU ranks", timeout=60_000)
+        output = page.locator(".jp-OutputArea-output")  # type: ignore[attr-defined]
+        expect(output.last).to_contain_text("[rank1]: napping", timeout=60_000)
+        row.get_by_role("button", name=re.compile("Where are the ranks")).click()
+        expect(ranks).to_have_text(
+            [re.compile(r"rank 0: cell \d+, line 4, in time\.sleep"), "rank 1: idle, waiting for the next cell"],
+            timeout=30_000,
+        )
+        where = ranks.first.inner_text()
+        expect(row).to_contain_text(re.compile(r"as of \d+ s ago"))
+        expect(row.get_by_role("button", name=re.compile("Where are the ranks"))).to_be_enabled()
+        screenshot(page, "sidebar-7-where-the-ranks-are")
+    finally:
+        row.get_by_role("button", name="Stop").click()
+        expect(sidebar).to_contain_text("No launch is running.", timeout=30_000)  # type: ignore[arg-type]
+    # The cell named is the one the notebook numbers so, now that it has ended.
+    prompt = page.locator(".jp-Cell .jp-InputPrompt").nth(1)  # type: ignore[attr-defined]
+    expect(prompt).not_to_have_text("[*]:", timeout=30_000)
+    assert where.startswith(f"rank 0: cell {prompt.inner_text().strip()[1:-2]}, "), (where, prompt.inner_text())
 
 
 def test_a_launch_without_arguments_uses_the_saved_defaults(page: object, lab: JupyterServer) -> None:
