@@ -48,6 +48,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         module = item.nodeid.split("::", 1)[0]
         if BROWSER_TESTS in Path(str(item.fspath)).parents:
             group, rank = "browser", 1
+            item.add_marker(pytest.mark.slow(reason=_BROWSER_SLOW))
         elif item.get_closest_marker("ray") is not None:
             # A module's tests that join its one cluster, apart from the tests that start
             # clusters of their own (those one at a time).
@@ -59,6 +60,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.xdist_group(group))
         order[id(item)] = rank
     items.sort(key=lambda item: order.get(id(item), 3))
+    unexplained = [item.nodeid for item in items
+                   if any(not mark.kwargs.get("reason") for mark in item.iter_markers("slow"))]
+    if unexplained:
+        raise pytest.UsageError(
+            f"mark slow tests with their reason, pytest.mark.slow(reason=...): {unexplained[:5]}"
+        )
+
+
+# The first browser test starts JupyterLab's server and chromium for all of them.
+_BROWSER_SLOW = "drives JupyterLab or Notebook 7 in chromium; the first starts the shared server and browser"
 
 
 def _shares_a_module_fixture(item: pytest.Item) -> bool:

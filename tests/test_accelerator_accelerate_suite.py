@@ -24,7 +24,7 @@ sys.path.insert(0, str(SCRIPTS))
 import accelerate_suite as suite
 
 pytest.importorskip("accelerate")
-pytestmark = [pytest.mark.usefixtures("plain_process"), pytest.mark.slow]
+pytestmark = pytest.mark.usefixtures("plain_process")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from notebook_launcher import notebook_launcher
 from notebook_launcher.accelerator import DistributedOperationException
 from tests.accelerator_support import plain_process  # noqa: F401
 
-pytestmark = [pytest.mark.usefixtures("plain_process"), pytest.mark.slow]
+pytestmark = pytest.mark.usefixtures("plain_process")
 
 
 def on_two_ranks(function: Any, *args: Any, **kwargs: Any) -> Any:

@@ -14,7 +14,7 @@ from tests.accelerator_support import SCRIPTS, plain_process  # noqa: F401
 sys.path.insert(0, str(SCRIPTS))
 import common
 
-pytestmark = [pytest.mark.usefixtures("plain_process"), pytest.mark.slow]
+pytestmark = pytest.mark.usefixtures("plain_process")
 
 
 def identities_and_training() -> dict[str, Any]:

@@ -16,7 +16,7 @@ import torch
 from notebook_launcher import notebook_launcher
 from tests.accelerator_support import plain_process  # noqa: F401
 
-pytestmark = [pytest.mark.usefixtures("plain_process")]
+pytestmark = pytest.mark.usefixtures("plain_process")
 
 
 def on_two_ranks(function: Any, *args: Any) -> Any:
@@ -47,7 +47,6 @@ def save_models(folder: str) -> dict[str, Any]:
     return {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
 
 
-@pytest.mark.slow
 def test_save_model_writes_safetensors_split_by_size_with_an_index(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
@@ -119,7 +118,6 @@ def join_uneven() -> dict[str, Any]:
     return {"steps": steps, "inside": inside, "after": loader2.batch_sampler.even_batches}
 
 
-@pytest.mark.slow
 def test_join_uneven_inputs_lets_ranks_with_fewer_batches_finish_on_cpu_ranks() -> None:
     results = on_two_ranks(join_uneven)
     assert results[0]["steps"] == [0, 1]
@@ -207,7 +205,6 @@ def batch_sampler_as_sampler() -> list[int]:
     return [int(x) for batch in loader for x in batch] + [-1] + seen
 
 
-@pytest.mark.slow
 def test_a_batch_sampler_given_as_sampler_is_sharded_across_ranks() -> None:
     results = on_two_ranks(batch_sampler_as_sampler)
     rank0, rank1 = (r[: r.index(-1)] for r in results)
@@ -239,7 +236,6 @@ def stateful_resume(folder: str) -> dict[str, Any]:
     return {"rest": rest, "resumed": resumed, "from_folder": resumed_from_folder, "next": len(list(loader))}
 
 
-@pytest.mark.slow
 def test_a_stateful_loader_continues_its_epoch_after_load_state_dict_and_load_state(tmp_path: Path) -> None:
     for got in on_two_ranks(stateful_resume, str(tmp_path / "ckpt")):
         assert len(got["rest"]) == 10 - 3
@@ -269,7 +265,6 @@ def profile_and_copy(folder: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.slow
 def test_profile_writes_a_trace_per_rank_and_copy_tensor_to_devices_sends_rank0s_tensor(
     tmp_path: Path,
 ) -> None:

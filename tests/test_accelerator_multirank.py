@@ -17,7 +17,6 @@ from tests.accelerator_support import SCRIPTS, clean_environment, run_torchrun
 sys.path.insert(0, str(SCRIPTS))
 import common
 
-pytestmark = pytest.mark.slow
 TOLERANCE = {"atol": 1e-6, "rtol": 1e-5}
 
 

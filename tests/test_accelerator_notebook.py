@@ -11,7 +11,7 @@ from nbclient import NotebookClient
 from tests.accelerator_support import REPO, is_launch_variable
 
 NOTEBOOK = REPO / "examples" / "02_accelerator_teaching.ipynb"
-pytestmark = [pytest.mark.kernel, pytest.mark.slow]
+pytestmark = pytest.mark.kernel
 
 
 def cell_text(cell: nbformat.NotebookNode) -> str:

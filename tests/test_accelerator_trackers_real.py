@@ -14,7 +14,7 @@ import pytest
 from notebook_launcher import notebook_launcher
 from tests.accelerator_support import plain_process, read_wandb_offline  # noqa: F401
 
-pytestmark = [pytest.mark.usefixtures("plain_process"), pytest.mark.slow]
+pytestmark = pytest.mark.usefixtures("plain_process")
 
 
 def train_and_log(folder: str) -> int:

@@ -19,7 +19,7 @@ sys.path.insert(0, str(SCRIPTS))
 pytest.importorskip("transformers")
 import trainer_tiny
 
-pytestmark = [pytest.mark.usefixtures("plain_process"), pytest.mark.slow]
+pytestmark = pytest.mark.usefixtures("plain_process")
 
 
 def test_trainer_in_launched_cpu_ranks_matches_torchrun_bit_for_bit(tmp_path: Path) -> None:

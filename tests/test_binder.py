@@ -17,7 +17,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [
+    pytest.mark.slow(reason="builds the binder environment in a fresh venv: 2 to 3 min"),
+    pytest.mark.timeout(1200),
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 # The examples run, with their claims checked, in test_examples.py and test_course.py; here

@@ -20,7 +20,7 @@ import pytest
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
-pytestmark = [pytest.mark.kernel, pytest.mark.slow]
+pytestmark = pytest.mark.kernel
 ROOT = Path(__file__).resolve().parent.parent
 COURSE = ROOT / "examples" / "course"
 EXECUTED = ROOT / "docs" / "course"

@@ -30,7 +30,7 @@ import trl  # noqa: F401
 
 # One launch and one torchrun for every test here, together over 30 s on a busy machine
 # (each imports transformers, peft, trl and datasets): the module's fixture shares them.
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(reason="trains LoRA under torchrun and under the launcher, to compare: about 1 min")
 
 
 @pytest.fixture(scope="module")

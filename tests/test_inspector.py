@@ -241,7 +241,6 @@ def test_bad_names_are_refused_with_the_rule(kernel):
 
 @pytest.mark.kernel
 @pytest.mark.kernel
-@pytest.mark.slow
 def test_sixteen_ranks_draw_side_by_side(kernel):
     cell = kernel.run(
         "from notebook_launcher import Session\n"

@@ -86,7 +86,6 @@ def tagged(node: subprocess.CompletedProcess[str], tag: str) -> dict:
     return json.loads(lines[0][len(tag) + 1 :])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["static", "c10d"])
 def test_two_machines_on_loopback_get_global_ranks_through_the_rendezvous(tmp_path, backend):
     nodes = run_two_nodes(tmp_path, backend)
@@ -116,7 +115,6 @@ def test_two_machines_on_loopback_get_global_ranks_through_the_rendezvous(tmp_pa
     assert ["127.0.0.1"] in [v["listening"] for v in results[group_of_node.index(0)]["all"]]
 
 
-@pytest.mark.slow
 def test_a_failing_rank_on_one_machine_fails_the_launch_on_both(tmp_path):
     nodes = run_two_nodes(tmp_path, "static", fail_rank=3)
     failing, other = tagged(nodes[1], "ERROR"), tagged(nodes[0], "ERROR")
@@ -149,7 +147,6 @@ print("RESULT " + json.dumps(values))
 """
 
 
-@pytest.mark.slow
 def test_both_machines_restart_together_after_a_failure(tmp_path):
     nodes = run_two_nodes(tmp_path, "static", source=RESTARTING_NODE)
     assert tagged(nodes[0], "RESULT") == [[0, 1, 6.0], [1, 1, 6.0]]

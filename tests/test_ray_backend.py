@@ -23,9 +23,12 @@ from notebook_launcher.errors import LaunchUnsupportedError  # noqa: E402
 from notebook_launcher.launcher.backends import ray_local  # noqa: E402
 from notebook_launcher.launcher.events import OutputLine  # noqa: E402
 
-from .ray_cluster import LoopbackRayCluster  # noqa: E402
+from .ray_cluster import LoopbackRayCluster, favour  # noqa: E402
 
-pytestmark = pytest.mark.ray
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.slow(reason="a Ray actor per rank per launch; beside the other tests, minutes"),
+]
 
 # Multi-node clusters off: Ray keeps the node address 127.0.0.1 and binds loopback alone.
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo",
@@ -45,6 +48,7 @@ def cluster():
     temp_dir = tempfile.mkdtemp(prefix="r", dir="/tmp")  # Ray's socket paths: under 107 bytes
     home = tempfile.mkdtemp(prefix="h", dir="/tmp")
     running = LoopbackRayCluster(temp_dir, home)
+    favour(os.getpid())  # the driver of the module's launches, until the module ends
     try:
         running.add_node(num_cpus=2)
         # Ray's connect has no deadline (and holds the main thread in C++, out of pytest's
@@ -70,6 +74,7 @@ def cluster():
         with contextlib.suppress(Exception):
             ray.shutdown()
         running.stop()
+        favour(os.getpid(), 0)
         shutil.rmtree(temp_dir, ignore_errors=True)
         shutil.rmtree(home, ignore_errors=True)
         for name, value in saved.items():

@@ -5,7 +5,6 @@ settings come back afterwards.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import os
 import shutil
@@ -21,8 +20,13 @@ import pytest
 pytest.importorskip("ray")
 
 from .kernel_driver import CellEnded, CellRun, RunningKernel, wait_for_output
+from .ray_cluster import favour
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.kernel]
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.slow(reason="the launcher starts local Ray clusters (one that never starts, twice): 1.5 to 3 min"),
+    pytest.mark.kernel,
+]
 
 AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 ROOT = str(Path(__file__).resolve().parents[1])
@@ -119,16 +123,6 @@ def launch_at(address: str, folders: dict[str, str]) -> str:
     done = subprocess.run([sys.executable, "-c", script, address], capture_output=True, text=True,
                           env=env, timeout=600)
     return done.stdout.strip() or done.stderr
-
-
-def favour(pid: int) -> None:
-    """Let the scheduler favour the kernel and the Ray cluster it starts (its children
-    inherit this). Ray's Python side gives its new node a fixed 30 s to register, and on a
-    busy machine its agents, Python processes importing Ray, start slower than that; the
-    cluster's loopback ports and tokens are what these tests are about. Only where the
-    tests may (as root, as on CI)."""
-    with contextlib.suppress(psutil.Error, OSError):
-        psutil.Process(pid).nice(-10)
 
 
 def start_blocked_launch(kernel: RunningKernel, fifo: str) -> tuple[str, CellRun]:

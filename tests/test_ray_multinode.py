@@ -20,9 +20,13 @@ import pytest
 pytest.importorskip("ray")
 
 from .kernel_driver import RunningKernel, wait_for_output
-from .ray_cluster import RAY_LOOPBACK_ENV, LoopbackRayCluster, RayNode
+from .ray_cluster import RAY_LOOPBACK_ENV, LoopbackRayCluster, RayNode, favour
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.kernel]
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.slow(reason="starts a Ray cluster of two nodes, then a third, through a kernel: 1 to 2 min"),
+    pytest.mark.kernel,
+]
 
 
 @pytest.fixture
@@ -76,6 +80,7 @@ def blocked(fifo):
 @pytest.fixture
 def kernel(cluster):
     running = RunningKernel()
+    favour(running.pid)
     try:
         env = {**RAY_LOOPBACK_ENV, "HOME": cluster.env["HOME"]}
         setup = running.run(SETUP.format(env=env, address=cluster.address))

@@ -176,7 +176,6 @@ def run_nodes(tmp_path: Path, *settings: tuple[str, ...], backend: str = "static
     return [tagged(out, "ERROR") for out in outputs]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("first", "second", "what"),
     [
@@ -283,7 +282,6 @@ print("RESULT " + json.dumps(notebook_launcher(
 """
 
 
-@pytest.mark.slow
 def test_a_stranger_writing_the_closing_key_does_not_stop_machines_with_a_secret(tmp_path):
     script = tmp_path / "node.py"
     script.write_text(textwrap.dedent(STRANGER_NODE))

@@ -16,8 +16,6 @@ from notebook_launcher.session.protocol import Execute, Push
 
 from .conftest import rank_processes
 
-pytestmark = pytest.mark.slow
-
 ALL_REDUCE = "t = torch.ones(8) * (rank + 1)\ntorch.distributed.all_reduce(t)\nt.tolist()"
 
 

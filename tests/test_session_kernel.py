@@ -12,7 +12,7 @@ import pytest
 from .conftest import rank_processes
 from .kernel_driver import RunningKernel, run_ok, with_session
 
-pytestmark = [pytest.mark.kernel, pytest.mark.slow]
+pytestmark = pytest.mark.kernel
 
 
 @pytest.fixture(scope="module")

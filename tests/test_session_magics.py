@@ -9,8 +9,6 @@ from notebook_launcher import RankFailedError, SessionError
 from notebook_launcher.errors import LaunchConfigError
 from notebook_launcher.session.magics import DistributedMagics, DistributedUsageError
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def ip():

@@ -11,7 +11,7 @@ import pytest
 from .conftest import rank_processes
 from .kernel_driver import RunningKernel, run_ok, with_session
 
-pytestmark = [pytest.mark.kernel, pytest.mark.slow]
+pytestmark = pytest.mark.kernel
 
 # Rank 0 waits in an all_reduce that rank 1 never joins; each says so first.
 WAITING_IN_A_COLLECTIVE = (

@@ -12,7 +12,7 @@ from notebook_launcher import registry
 
 from .kernel_driver import CellRun, RunningKernel, run_ok, wait_for_output, with_session
 
-pytestmark = [pytest.mark.kernel, pytest.mark.slow]
+pytestmark = pytest.mark.kernel
 
 
 @pytest.fixture(scope="module")

@@ -84,7 +84,6 @@ def test_the_cores_collectives_across_xla_replicas(tpu_machine, leak_check):
     assert sorted(dispatched) == sorted(f"s{i}" for i in range(16))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("tpu_machine", ["kaggle-v3-8"], indirect=True)
 def test_dispatched_batches_reach_v3_replicas_that_are_threads_of_one_process(tpu_machine, leak_check):
     # The dispatch runs collectives: in the replica's own thread, never in the loader's,
@@ -139,7 +138,6 @@ def test_no_variable_is_added_to_the_environment_while_two_replicas_run(
     assert notebook_launcher(cases.variables_added_while_training, return_all=True) == [[]] * 4
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("tpu_machine", ["kaggle-v3-8"], indirect=True)
 def test_v3_replicas_of_one_process_start_from_replica_0s_weights(tpu_machine, leak_check):
     # The two replicas of a v3 process are threads drawing from one global RNG: a model
