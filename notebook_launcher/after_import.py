@@ -39,5 +39,5 @@ class _Hook(importlib.abc.MetaPathFinder):
             execute(module)
             adjust(module)
 
-        loader.exec_module = exec_module  # type: ignore[method-assign]
+        loader.exec_module = exec_module
         return spec

@@ -10,6 +10,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -98,6 +99,26 @@ def rank_processes(pid: int | None = None) -> list[psutil.Process]:
         if "forkserver import main" in cmdline or "resource_tracker" in cmdline:
             helpers.append(child.pid)
     return [p for p in psutil.Process(pid).children(recursive=True) if p.pid not in helpers]
+
+
+_last_test = {"name": "(none yet)"}
+
+
+@pytest.fixture(autouse=True)
+def _default_sigint(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each test starts with Python's own SIGINT handler, as a fresh interpreter (or a kernel
+    running a cell) has: the tests of the stop button press it on themselves. A worker was
+    seen holding SIG_IGN after other tests had run in it, set by none of them alone; where
+    that happens it is reset here, and a warning names the test that ran before."""
+    import signal
+    import warnings
+
+    found = signal.getsignal(signal.SIGINT)
+    if found is not signal.default_int_handler and threading.current_thread() is threading.main_thread():
+        warnings.warn(f"SIGINT's handler was {found!r} after {_last_test['name']}; reset", stacklevel=1)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    _last_test["name"] = request.node.nodeid
 
 
 @pytest.fixture(scope="session")
