@@ -4,12 +4,14 @@ import atexit
 import importlib
 import os
 import shutil
+import signal
 import stat
 import sys
 import tempfile
 import textwrap
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,18 +103,18 @@ def rank_processes(pid: int | None = None) -> list[psutil.Process]:
     return [p for p in psutil.Process(pid).children(recursive=True) if p.pid not in helpers]
 
 
+# A process started in the background by a non-interactive shell (`make test &`, a CI
+# script's job) inherits SIGINT ignored, and Python then keeps it so: the tests of the stop
+# button press it on themselves, as a user presses it in a kernel running a cell.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 _last_test = {"name": "(none yet)"}
 
 
 @pytest.fixture(autouse=True)
 def _default_sigint(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Each test starts with Python's own SIGINT handler, as a fresh interpreter (or a kernel
-    running a cell) has: the tests of the stop button press it on themselves. A worker was
-    seen holding SIG_IGN after other tests had run in it, set by none of them alone; where
-    that happens it is reset here, and a warning names the test that ran before."""
-    import signal
-    import warnings
-
+    """Each test starts with Python's own SIGINT handler; a test that left another one is
+    named in a warning."""
     found = signal.getsignal(signal.SIGINT)
     if found is not signal.default_int_handler and threading.current_thread() is threading.main_thread():
         warnings.warn(f"SIGINT's handler was {found!r} after {_last_test['name']}; reset", stacklevel=1)
