@@ -14,6 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ["gpt2", "llama", "bert"]
+pytestmark = pytest.mark.slow(
+    reason="one process builds GPT-2, Llama and BERT from configs, saves, loads and generates: 0.5 to 1.5 min"
+)
 
 
 @pytest.fixture(scope="module")
