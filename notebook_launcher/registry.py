@@ -73,8 +73,8 @@ class RegisteredLaunch:
         self.record = dataclasses.replace(record, pid_namespace=_pid_namespace())
         self._dir = registry_dir()
         self._path = self._dir / f"{record.launch_id}.json"
-        self._stop_path = self._dir / f"{record.launch_id}.stop"
-        self._where_path = self._dir / f"{record.launch_id}.where"
+        self._stop_path = self._dir / f"{record.launch_id}{_STOP}"
+        self._where_path = self._dir / f"{record.launch_id}{_WHERE}"
         self._write()
 
     def update(self, **changes: Any) -> None:
@@ -118,7 +118,7 @@ def list_launches() -> list[LaunchRecord]:
         else:
             if record.pid_namespace and record.pid_namespace == _pid_namespace():
                 _end_left_behind(record.launch_id)
-            for stale in (path, path.with_suffix(".stop"), path.with_suffix(".where")):
+            for stale in (path, *(path.with_suffix(marker) for marker in _MARKERS)):
                 with contextlib.suppress(FileNotFoundError):
                     stale.unlink()
     return sorted(records, key=lambda r: r.started_at)
@@ -126,23 +126,27 @@ def list_launches() -> list[LaunchRecord]:
 
 def request_stop(launch_id: str) -> bool:
     """Ask a running launch to stop its ranks; False when no such launch runs."""
-    if not launch_id.isalnum():  # it names a file: refuse anything path-like
-        return False
-    directory = registry_dir()
-    if not any(r.launch_id == launch_id for r in list_launches()):
-        return False
-    (directory / f"{launch_id}.stop").write_text(str(time.time()))
-    return True
+    return _leave_marker(launch_id, _STOP)
 
 
 def request_where(launch_id: str) -> bool:
     """Ask a running session where its ranks are; its record says so soon after. False when
     no such session runs (a launch of one function does not answer)."""
+    return _leave_marker(launch_id, _WHERE, kinds=("session",))
+
+
+# Files the server leaves next to a record, each a request its launch notices.
+_STOP, _WHERE = ".stop", ".where"
+_MARKERS = (_STOP, _WHERE)
+
+
+def _leave_marker(launch_id: str, marker: str, kinds: tuple[str, ...] | None = None) -> bool:
+    """Leave ``marker`` for a running launch (of one of ``kinds``); False when none runs."""
     if not launch_id.isalnum():  # it names a file: refuse anything path-like
         return False
-    if not any(r.launch_id == launch_id and r.kind == "session" for r in list_launches()):
+    if not any(r.launch_id == launch_id and (kinds is None or r.kind in kinds) for r in list_launches()):
         return False
-    (registry_dir() / f"{launch_id}.where").write_text(str(time.time()))
+    (registry_dir() / f"{launch_id}{marker}").write_text(str(time.time()))
     return True
 
 

@@ -34,6 +34,7 @@ class ProgressBars:
         self._printer = printer
         self._output = output
         self._bars: dict[tuple[int, str], _Bar] = {}
+        self._in_a_notebook = _in_a_notebook()  # a session lives in one kernel
 
     def on_event(self, event: LaunchEvent) -> None:
         if not (isinstance(event, OutputLine) and self._draw(event)):
@@ -46,8 +47,10 @@ class ProgressBars:
     def _draw(self, line: OutputLine) -> bool:
         if self._output == "none" or (self._output == "main" and line.rank != 0):
             return False
+        if not self._in_a_notebook:
+            return False
         state = parse_progress_line(line.text)
-        if state is None or not _in_a_notebook():
+        if state is None:
             return False
         from IPython.display import display
 
