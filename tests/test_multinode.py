@@ -80,16 +80,21 @@ def run_two_nodes(
     return done
 
 
-def tagged(node: subprocess.CompletedProcess[str], tag: str) -> dict:
+def tagged(node: subprocess.CompletedProcess[str], tag: str, nodes: list[subprocess.CompletedProcess[str]] | None = None) -> dict:
+    """The one line ``tag`` printed by ``node``; where it is missing, the failure shows what
+    every machine of ``nodes`` printed (one machine's failure is often another's cause)."""
     lines = [line for line in node.stdout.splitlines() if line.startswith(tag + " ")]
-    assert len(lines) == 1, node.stdout + node.stderr
+    shown = nodes or [node]
+    assert len(lines) == 1, "\n".join(
+        f"--- machine {i}:\n{other.stdout}{other.stderr}" for i, other in enumerate(shown)
+    )
     return json.loads(lines[0][len(tag) + 1 :])
 
 
 @pytest.mark.parametrize("backend", ["static", "c10d"])
 def test_two_machines_on_loopback_get_global_ranks_through_the_rendezvous(tmp_path, backend):
     nodes = run_two_nodes(tmp_path, backend)
-    results = [tagged(node, "RESULT") for node in nodes]
+    results = [tagged(node, "RESULT", nodes) for node in nodes]
     group_of_node = []
     for node, result in zip(nodes, results):
         values = result["all"]
@@ -117,7 +122,7 @@ def test_two_machines_on_loopback_get_global_ranks_through_the_rendezvous(tmp_pa
 
 def test_a_failing_rank_on_one_machine_fails_the_launch_on_both(tmp_path):
     nodes = run_two_nodes(tmp_path, "static", fail_rank=3)
-    failing, other = tagged(nodes[1], "ERROR"), tagged(nodes[0], "ERROR")
+    failing, other = tagged(nodes[1], "ERROR", nodes), tagged(nodes[0], "ERROR", nodes)
     assert "ValueError" in failing["types"] and "RankFailedError" in failing["types"]
     assert "Rank 3 (pid" in failing["text"] and "rank 3 gives up" in failing["text"]
     # The other machine's ranks lost their peer in the collective: they fail, not hang.
@@ -149,8 +154,8 @@ print("RESULT " + json.dumps(values))
 
 def test_both_machines_restart_together_after_a_failure(tmp_path):
     nodes = run_two_nodes(tmp_path, "static", source=RESTARTING_NODE)
-    assert tagged(nodes[0], "RESULT") == [[0, 1, 6.0], [1, 1, 6.0]]
-    assert tagged(nodes[1], "RESULT") == [[2, 1, 6.0], [3, 1, 6.0]]
+    assert tagged(nodes[0], "RESULT", nodes) == [[0, 1, 6.0], [1, 1, 6.0]]
+    assert tagged(nodes[1], "RESULT", nodes) == [[2, 1, 6.0], [3, 1, 6.0]]
     assert "restart 1 of 2: rank 3 failed with ValueError: the first attempt of rank 3 fails" in nodes[1].stderr
     assert "restart 1 of 2: rank " in nodes[0].stderr
 

@@ -96,6 +96,48 @@ def test_a_store_that_closes_after_answering_is_waited_for_not_called_closing(le
     assert "it is closing" not in str(raised.value)
 
 
+@pytest.fixture
+def store_that_closes_after_the_connect():
+    """A port that answers the probe and torch's client handshake as a store does, then
+    closes at the first question: the previous launch's store, released just then."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(2)
+    asked_after_the_handshake = threading.Event()
+
+    def handshake(connection: socket.socket) -> None:
+        asked = b""
+        while len(asked) < 10:  # the store's magic number, a ping and its nonce
+            asked += connection.recv(10 - len(asked))
+        connection.sendall(asked[6:])
+
+    def answer_then_close():
+        with listener:
+            with listener.accept()[0] as probe:
+                handshake(probe)
+            with listener.accept()[0] as client:
+                handshake(client)
+                if client.recv(1):  # the question; the answer never comes
+                    asked_after_the_handshake.set()
+
+    answering = threading.Thread(target=answer_then_close, daemon=True)
+    answering.start()
+    yield listener.getsockname()[1], asked_after_the_handshake
+    answering.join(timeout=60)
+
+
+def test_a_store_that_closes_after_the_connect_is_waited_for(leak_check, store_that_closes_after_the_connect):
+    port, asked = store_that_closes_after_the_connect
+    endpoint = f"127.0.0.1:{port}"
+    with pytest.raises(RendezvousTimeoutError) as raised:
+        notebook_launcher(work, num_processes=1, num_nodes=2, node_rank=1, rdzv_endpoint=endpoint,
+                          rdzv_conf={"join_timeout": 5})
+    assert asked.is_set()  # the launcher did connect, and its first question found the store gone
+    assert str(raised.value).startswith(
+        f"node_rank=1 could not reach the rendezvous store at {endpoint} within join_timeout=5s"
+    )
+
+
 def test_static_node_0_says_what_it_waits_for_and_honours_join_timeout(capfd, leak_check):
     endpoint = f"127.0.0.1:{free_port()}"
     with pytest.raises(RendezvousTimeoutError) as raised:
@@ -173,7 +215,7 @@ def run_nodes(tmp_path: Path, *settings: tuple[str, ...], backend: str = "static
         for node in nodes:
             node.kill()
             node.wait()
-    return [tagged(out, "ERROR") for out in outputs]
+    return [tagged(out, "ERROR", outputs) for out in outputs]
 
 
 @pytest.mark.parametrize(

@@ -283,16 +283,19 @@ class NodeRendezvous:
                 # A store that closes between the probe and the connect makes torch's
                 # client retry, with a C++ stack trace each time, for as long as its
                 # timeout: it gets the probe's short one, and the launch's once connected.
+                # The previous launch's store may also close between the connect and the
+                # question whether it is closing: that too is a store to wait for.
                 try:
                     store = TCPStore(
                         self._host, self._port, None, is_master=False,
                         timeout=timedelta(seconds=max(0.1, min(_PROBE_S, self._clock.remaining()))),
                     )
+                    store.set_timeout(timedelta(seconds=max(1.0, self._clock.limit_s())))
+                    closing = protected(store, self._secret).check([_CLOSING_KEY])
                 except Exception:
                     state = "a store answered there, then closed before it could be joined"
                 else:
-                    store.set_timeout(timedelta(seconds=max(1.0, self._clock.limit_s())))
-                    if not protected(store, self._secret).check([_CLOSING_KEY]):
+                    if not closing:
                         return store
                     state = "only the previous launch's store answered; it is closing"
             else:
