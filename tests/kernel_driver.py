@@ -39,10 +39,11 @@ class RunningKernel:
         return self.client.execute(textwrap.dedent(code))
 
     def collect(
-        self, msg_id: str, timeout: float = 600, until: str | None = None, until_message: str | None = None
+        self, msg_id: str, timeout: float = 600, until: str | None = None, until_message: str | None = None,
+        until_stderr: str | None = None,
     ) -> CellRun:
         """Gather the cell's outputs until it is idle (or until ``until`` appears in stdout,
-        or a message of the kind ``until_message`` arrives)."""
+        ``until_stderr`` in stderr, or a message of the kind ``until_message`` arrives)."""
         cell = CellRun()
         deadline = time.monotonic() + timeout
         while True:
@@ -65,6 +66,8 @@ class RunningKernel:
                 else:
                     cell.stderr += content["text"]
                 if until is not None and until in cell.stdout:
+                    return cell
+                if until_stderr is not None and until_stderr in cell.stderr:
                     return cell
             elif kind == "execute_result":
                 cell.result = content["data"].get("text/plain")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -325,6 +326,16 @@ def _signal_pending(pid: int, signum: int) -> bool:
     return bool(pending & (1 << (signum - 1)))
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether SIGSTOP has stopped every thread of ``pid`` (it stops them one by one: a
+    signal sent before the last stopped may still be taken by a running thread)."""
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{task}/stat") as stat:
+            states.append(stat.read().rsplit(")", 1)[1].split()[0])
+    return bool(states) and all(state in "tT" for state in states)
+
+
 def test_a_rank_interrupted_before_it_started_the_cell_does_not_run_it():
     # On a busy machine a rank may not have started a cell yet when another rank fails and
     # the kernel interrupts it: the interrupt must still end the cell there, or the rank
@@ -337,6 +348,9 @@ def test_a_rank_interrupted_before_it_started_the_cell_does_not_run_it():
         slow = session.pids[0]
         for _ in range(4):
             os.kill(slow, signal.SIGSTOP)  # as if not scheduled yet when the cell is sent
+            deadline = time.monotonic() + 120  # a safety net only
+            while not _all_threads_stopped(slow) and time.monotonic() < deadline:
+                time.sleep(0.01)
             ended = threading.Event()
 
             def resume_once_interrupted(ended=ended):
@@ -410,23 +424,28 @@ def test_a_ranks_exception_that_cannot_travel_still_brings_its_type(session):
 def test_status_from_another_thread_while_a_cell_runs_says_what_and_where(session, tmp_path):
     import threading
 
-    go_on = tmp_path / "go-on"
-    code = f"import os, time\nwhile not os.path.exists({str(go_on)!r}):\n    time.sleep(0.01)\nrank"
+    started, go_on = tmp_path / "started", tmp_path / "go-on"
+    code = (
+        f"import os, time\nopen({str(started)!r}, 'w').close()\n"
+        f"while not os.path.exists({str(go_on)!r}):\n    time.sleep(0.01)\nrank"
+    )
     cell = threading.Thread(target=lambda: session.execute(code, ranks=[1], filename="In[12]"))
     cell.start()
     try:
         deadline = time.monotonic() + 120  # a safety net
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
         rows = session.status()
-        while rows[1]["state"] != "running" and time.monotonic() < deadline:
-            rows = session.status()
+        while rows[1]["where"].startswith("cell 12, line 2") and time.monotonic() < deadline:
+            rows = session.status()  # still closing the file it made
     finally:
         go_on.touch()
         cell.join()
     assert rows[0]["state"] == "idle" and rows[0]["running"] is None
     assert rows[1]["running"] == "cell 12" and rows[1]["running_s"] >= 0
     # The side thread reads the main thread wherever it is: in the sleep, or in the check.
-    assert rows[1]["where"] in ("cell 12, line 3, in time.sleep", "cell 12, line 2, in exists",
-                                "cell 12, line 2, in os.path.exists"), rows[1]
+    assert rows[1]["where"] in ("cell 12, line 4, in time.sleep", "cell 12, line 3, in exists",
+                                "cell 12, line 3, in os.path.exists"), rows[1]
     assert rows[1]["pid"] == session.pids[1] and rows[1]["rss_bytes"] > 10_000_000
     assert rows[1]["cuda_allocated_bytes"] is None and rows[1]["cuda_reserved_bytes"] is None
     with pytest.raises(LaunchTypeError, match=r"^timeout=-1 must be a number of seconds above 0, or None\.$"):

@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from .conftest import rank_processes
-from .kernel_driver import RunningKernel, run_ok, with_session
+from .kernel_driver import RunningKernel, run_ok, wait_for_output, with_session
 
 pytestmark = pytest.mark.kernel
 
@@ -74,6 +74,29 @@ def test_the_stop_button_interrupts_both_sleeping_ranks_and_the_session_survives
     kernel.manager.interrupt_kernel()
     cell = kernel.collect(msg_id, timeout=600)  # a safety net: it ends in seconds
     assert cell.error["ename"] == "KeyboardInterrupt"
+    assert "the cell was interrupted on rank(s) 0, 1" in cell.error["evalue"]
+    assert run_ok(kernel, "%%distributed\nrank + 1").result == "[rank0]: 1\n[rank1]: 2"
+
+
+def test_the_stop_button_wakes_a_rank_whose_interrupt_landed_on_another_thread(kernel):
+    # Linux may hand the process's SIGINT to any thread that does not block it; blocking it
+    # in the main thread makes it land elsewhere every time, while the main thread sleeps.
+    msg_id = kernel.submit(
+        "%%distributed\nimport signal, time\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\n"
+        "try:\n    print('sleeping', flush=True)\n    time.sleep(600)\n"
+        "finally:\n    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})"
+    )
+    wait_for_output(kernel, msg_id, ["[rank0]: sleeping", "[rank1]: sleeping"])
+    kernel.manager.interrupt_kernel()
+    stuck = "did not stop within"  # what the kernel says when a rank is not back 5 s later
+    cell = kernel.collect(msg_id, timeout=120, until_stderr=stuck)  # a safety net: it ends in a second
+    if stuck in cell.stderr:  # a second press ends the session, and the cell, at once
+        kernel.manager.interrupt_kernel()
+        kernel.collect(msg_id)
+        run_ok(kernel, "%distributed restart")
+    assert stuck not in cell.stderr, cell.stderr
+    assert cell.error["ename"] == "KeyboardInterrupt", cell
     assert "the cell was interrupted on rank(s) 0, 1" in cell.error["evalue"]
     assert run_ok(kernel, "%%distributed\nrank + 1").result == "[rank0]: 1\n[rank1]: 2"
 

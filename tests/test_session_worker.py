@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import traceback
 
 import pytest
@@ -152,3 +154,43 @@ def test_a_status_line_shows_state_pid_memory_cpu_and_cuda_memory_on_gpu_ranks()
     assert status_line(status_row(0, cpu)) == "rank 0: idle, pid 8, RSS 512.0 MiB, CPU 0%"
     assert status_line(status_row(2, None)) == "rank 2: not answering"
     assert where_text(1, gpu) == "rank 1: cell 5, line 2, in step" and where_text(2, None) == "rank 2: did not answer"
+
+
+# In a process of its own: it installs the process's SIGINT handler and a watching thread.
+_INTERRUPT_WHILE_READING = r"""
+import collections, signal, threading
+from multiprocessing import Pipe
+from notebook_launcher.session.protocol import Execute, Interrupt
+from notebook_launcher.session.worker import Worker, _SignalWatch
+
+class InterruptedWhileReading:
+    # The kernel's SIGINT, landing in the middle of reading each message.
+    def __init__(self, connection):
+        self.connection = connection
+    def poll(self):
+        return self.connection.poll()
+    def recv(self):
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        return self.connection.recv()
+
+theirs, ours = Pipe()
+for message in (Execute(8, "x = 1", "In[2]", b"", ()), Interrupt(7)):
+    theirs.send(message)
+worker = Worker.__new__(Worker)
+worker._commands, worker._waiting = InterruptedWhileReading(ours), collections.deque()
+worker.interrupts = _SignalWatch(lambda: None, lambda: None)
+try:
+    with worker.interrupts.running():
+        worker._interrupt_queued(8)
+except KeyboardInterrupt:
+    print("raised after reading:", [type(m).__name__ for m in worker._waiting], ours.poll())
+"""
+
+
+def test_an_interrupt_while_a_rank_reads_its_commands_comes_after_the_message_is_read_whole():
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERRUPT_WHILE_READING], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    # The queued cell is kept for the loop and the pipe holds nothing half read.
+    assert done.stdout.strip() == "raised after reading: ['Execute'] False", done.stdout + done.stderr

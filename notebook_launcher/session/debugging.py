@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import pdb
 import sys
-from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any, Callable
 
@@ -51,10 +50,10 @@ class _RemoteConsole:
     """pdb's stdin and stdout: output is gathered, and each line read is asked of the kernel."""
 
     def __init__(
-        self, seq: int, commands: Connection, send: Callable[[Any], None], keep: Callable[[Any], None]
+        self, seq: int, receive: Callable[[], Any], send: Callable[[Any], None], keep: Callable[[Any], None]
     ) -> None:
         self._seq = seq
-        self._commands = commands
+        self._receive = receive  # the kernel's next message, read whole
         self._send = send
         self._keep = keep  # anything else the kernel sent meanwhile: run after the debugger
         self._written: list[str] = []
@@ -71,7 +70,7 @@ class _RemoteConsole:
         self._send(DebugPrompt(self._seq, head + newline, prompt))
         while True:
             try:
-                message = self._commands.recv()
+                message = self._receive()
             except (EOFError, OSError):
                 return ""  # the kernel is gone: pdb reads end of input and quits
             if isinstance(message, DebugInput) and message.seq == self._seq:
@@ -103,11 +102,11 @@ class _CellPdb(_plain_pdb()):  # type: ignore[misc]
 
 
 def post_mortem(
-    failure: LastFailure, rank: int, seq: int, commands: Connection, send: Callable[[Any], None],
+    failure: LastFailure, rank: int, seq: int, receive: Callable[[], Any], send: Callable[[Any], None],
     keep: Callable[[Any], None], cell_files: set[str],
 ) -> str:
     """Run pdb at the frame that raised, until the user quits; what pdb wrote last."""
-    console = _RemoteConsole(seq, commands, send, keep)
+    console = _RemoteConsole(seq, receive, send, keep)
     console.write(f"pdb in rank {rank}, at the error of {failure.what} (q quits; the other ranks wait).\n")
     debugger = _CellPdb(cell_files, stdin=console, stdout=console, nosigint=True, readrc=False)
     debugger.reset()

@@ -225,12 +225,13 @@ class Worker:
         """
         commands = self._commands
         interrupted = False
-        while commands is not None and commands.poll():
-            queued = commands.recv()
-            if isinstance(queued, Interrupt):
-                interrupted = interrupted or queued.seq == seq
-            else:
-                self._waiting.append(queued)
+        with self.interrupts.whole_messages():  # what was read is kept, interrupt or not
+            while commands is not None and commands.poll():
+                queued = commands.recv()
+                if isinstance(queued, Interrupt):
+                    interrupted = interrupted or queued.seq == seq
+                else:
+                    self._waiting.append(queued)
         return interrupted
 
     def _run(self, command: Command) -> bytes | None:
@@ -279,7 +280,19 @@ class Worker:
                 f"rank {self.rank} has no error to debug: {why}. A rank keeps its error for "
                 "%distributed debug until the next cell runs."
             )
-        return "done", post_mortem(failure, self.rank, seq, commands, send, self._waiting.append, self.cell_files)
+        return "done", post_mortem(
+            failure, self.rank, seq, lambda: self._receive_for_pdb(commands), send, self._waiting.append,
+            self.cell_files,
+        )
+
+    def _receive_for_pdb(self, commands: Connection) -> Any:
+        """The kernel's next message while pdb waits for a line. A stop press meanwhile is
+        not raised into pdb: the kernel answers it with pdb's "q"."""
+        nothing = message = object()
+        while message is nothing:
+            with contextlib.suppress(KeyboardInterrupt), self.interrupts.whole_messages():
+                message = commands.recv()
+        return message
 
     def _inject(self, names: dict[str, Any]) -> None:
         for name, value in names.items():
@@ -328,6 +341,17 @@ def _what(command: Command) -> str:
     return f"a {type(command).__name__.lower()}"
 
 
+# Sent by the side thread to the main thread alone, to wake it from a blocking call; its
+# handler does nothing (the interrupt's own handler then runs). A real-time signal where
+# there are, as a program's own code seldom uses one.
+_WAKE_MAIN = signal.SIGRTMIN if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
+
+
+def _wakes_the_main_thread(signum: int, frame: Any) -> None:
+    """The side thread's wake-up call: interrupting the main thread's blocking call is all
+    it is for."""
+
+
 def _answered_by_the_side_thread(signum: int, frame: Any) -> None:
     """SIGUSR1 needs a Python handler for Python to pass it to the side thread's wakeup
     descriptor; the answer is given there."""
@@ -341,26 +365,38 @@ class _SignalWatch:
     SIGUSR1 asks what the rank is doing: the thread sends a snapshot of the main thread.
     """
 
+    _installed: _SignalWatch | None = None  # a process has one: it owns the process's SIGINT
+
+    @classmethod
+    def whole_messages_of_this_process(cls) -> Any:
+        watch = cls._installed
+        return contextlib.nullcontext() if watch is None else watch.whole_messages()
+
     def __init__(self, break_group: Callable[[], None], answer: Callable[[], None]) -> None:
         self._break_group = break_group
         self._answer = answer
         self._running = False
         self.signalled = False  # an interrupt arrived while the current command ran
+        self._deferring = 0  # depth of whole_messages() blocks in the main thread
+        self._deferred = False  # an interrupt came in such a block
         self._idle = threading.Event()
         self._idle.set()
         read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)
         signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(_WAKE_MAIN, _wakes_the_main_thread)
+        self._main = threading.main_thread().ident or 0
         # Python's C-level handler writes here even while the main thread is stuck in C++.
         signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
         self._thread = threading.Thread(
             target=self._watch, args=(read_fd,), name="notebook_launcher-interrupt", daemon=True
         )
         self._thread.start()
+        _SignalWatch._installed = self
 
     @contextlib.contextmanager
     def running(self) -> Any:
-        self.signalled = False
+        self.signalled = self._deferred = False
         self._idle.clear()
         self._running = True
         try:
@@ -372,7 +408,28 @@ class _SignalWatch:
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self._running:
             self.signalled = True
+            if self._deferring:
+                self._deferred = True
+                return
             raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def whole_messages(self) -> Any:
+        """The main thread's reads and writes of a pipe message finish before an interrupt
+        is raised: a message cut in half would garble every one after it. An interrupt that
+        came meanwhile is raised when the block ends (if the command still runs)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield  # the handler raises in the main thread only
+            return
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+        if not self._deferring and self._deferred:
+            self._deferred = False
+            if self._running:
+                raise KeyboardInterrupt
 
     def _watch(self, read_fd: int) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})  # blocked in the main thread
@@ -385,13 +442,22 @@ class _SignalWatch:
             if signal.SIGINT not in data or self._idle.is_set():
                 continue
             self.signalled = True
+            # The kernel's SIGINT goes to the process, and Linux may hand it to any thread
+            # that does not block it (this one, torch's, the memory reporter's). Python then
+            # runs the handler in the main thread only when that thread next wakes: a main
+            # thread asleep (time.sleep, a lock, a socket) would not see it until it wakes by
+            # itself. A signal sent to the main thread alone wakes it, to run the handler.
+            with contextlib.suppress(OSError):
+                signal.pthread_kill(self._main, _WAKE_MAIN)
             if not self._idle.wait(BREAK_AFTER_S):
                 self._break_group()
 
 
 def send(message: Ready | Reply | Snapshot | DebugPrompt | rich_output.RichOutput) -> None:
-    """Over the launcher's rank -> kernel channel, which carries any picklable message."""
-    rank_runner.send(message)  # type: ignore[arg-type]
+    """Over the launcher's rank -> kernel channel, which carries any picklable message;
+    written whole, even when the kernel's interrupt comes meanwhile."""
+    with _SignalWatch.whole_messages_of_this_process():
+        rank_runner.send(message)  # type: ignore[arg-type]
 
 
 def _tcp_sockets() -> set[tuple[int, int]]:
