@@ -476,8 +476,11 @@ def test_a_process_a_rank_forked_never_mixes_its_writes_into_the_ranks(leak_chec
 
     assert notebook_launcher(log_beside_a_forked_worker, num_processes=1, observers=[Collector()]) == "done"
     assert steps == list(range(30_000))  # the rank's own calls, each once, in order
-    # The worker's calls are not sent, and it says so, once.
-    assert capfd.readouterr().err.count("is not sent to the notebook") == 1
+    # The worker's calls are not sent, and it says so, once (a long launch's closing table
+    # may repeat it as the rank's last line).
+    said = [line for line in capfd.readouterr().err.splitlines()
+            if line.startswith("[rank0]: ") and "is not sent to the notebook" in line]
+    assert len(said) == 1, said
 
 
 def garble_the_message_pipe():
