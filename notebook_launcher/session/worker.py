@@ -85,7 +85,7 @@ class Worker:
     def __init__(self, secret: bytes) -> None:
         # SIGUSR1 asks what the rank is doing; only the side thread takes it, so a main
         # thread inside a C++ collective is never woken by it (see _SignalWatch).
-        signal.signal(signal.SIGUSR1, _answered_by_the_side_thread)
+        signal.signal(signal.SIGUSR1, _nothing_to_do_here)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
         import torch
         import torch.distributed as dist
@@ -347,14 +347,10 @@ def _what(command: Command) -> str:
 _WAKE_MAIN = signal.SIGRTMIN if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
 
 
-def _wakes_the_main_thread(signum: int, frame: Any) -> None:
-    """The side thread's wake-up call: interrupting the main thread's blocking call is all
-    it is for."""
-
-
-def _answered_by_the_side_thread(signum: int, frame: Any) -> None:
-    """SIGUSR1 needs a Python handler for Python to pass it to the side thread's wakeup
-    descriptor; the answer is given there."""
+def _nothing_to_do_here(signum: int, frame: Any) -> None:
+    """The handler of signals whose effect is elsewhere: SIGUSR1 needs a Python handler for
+    Python to pass it to the side thread's wakeup descriptor, where it is answered; the
+    wake-up call only has to interrupt the main thread's blocking call."""
 
 
 class _SignalWatch:
@@ -384,7 +380,7 @@ class _SignalWatch:
         read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)
         signal.signal(signal.SIGINT, self._on_signal)
-        signal.signal(_WAKE_MAIN, _wakes_the_main_thread)
+        signal.signal(_WAKE_MAIN, _nothing_to_do_here)
         self._main = threading.main_thread().ident or 0
         # Python's C-level handler writes here even while the main thread is stuck in C++.
         signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
