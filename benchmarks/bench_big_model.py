@@ -73,17 +73,32 @@ def build_checkpoint(folder: Path, layers: int, width: int) -> tuple[Any, int]:
     return config, size
 
 
-def measure_loads(checkpoint: Path, size: int, runs: int, scratch: Path) -> dict[str, dict[str, float]]:
-    results: dict[str, dict[str, list[float]]] = {"ours": {"seconds": [], "peak_added": []},
-                                                   "accelerate": {"seconds": [], "peak_added": []}}
+def measure_loads(
+    checkpoint: Path, size: int, runs: int, scratch: Path
+) -> dict[str, dict[str, float]]:
+    results: dict[str, dict[str, list[float]]] = {
+        "ours": {"seconds": [], "peak_added": []},
+        "accelerate": {"seconds": [], "peak_added": []},
+    }
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     for run in range(runs):
         order = ["ours", "accelerate"] if run % 2 == 0 else ["accelerate", "ours"]
         for which in order:
             folder = scratch / f"load-{which}-{run}"
             done = subprocess.run(
-                [sys.executable, "-c", _LOAD_SCRIPT, which, str(checkpoint), str(folder), str(size // 5)],
-                capture_output=True, text=True, env=env, check=True,
+                [
+                    sys.executable,
+                    "-c",
+                    _LOAD_SCRIPT,
+                    which,
+                    str(checkpoint),
+                    str(folder),
+                    str(size // 5),
+                ],
+                capture_output=True,
+                text=True,
+                env=env,
+                check=True,
             )
             figures = json.loads(done.stdout.strip().splitlines()[-1])
             for key, value in figures.items():
@@ -91,7 +106,9 @@ def measure_loads(checkpoint: Path, size: int, runs: int, scratch: Path) -> dict
     return {w: {k: statistics.median(v) for k, v in r.items()} for w, r in results.items()}
 
 
-def prepare_forward_models(config: Any, checkpoint: Path, size: int, scratch: Path) -> dict[str, Any]:
+def prepare_forward_models(
+    config: Any, checkpoint: Path, size: int, scratch: Path
+) -> dict[str, Any]:
     import accelerate
     import torch
     from transformers import GPT2LMHeadModel
@@ -100,15 +117,22 @@ def prepare_forward_models(config: Any, checkpoint: Path, size: int, scratch: Pa
 
     models: dict[str, Any] = {}
     torch.manual_seed(0)
-    models["memory/plain"] = GPT2LMHeadModel.from_pretrained(checkpoint).eval()  # the floor: no offload
+    models["memory/plain"] = GPT2LMHeadModel.from_pretrained(
+        checkpoint
+    ).eval()  # the floor: no offload
     for name, lib in (("ours", ours), ("accelerate", accelerate)):
         with lib.init_empty_weights():
             model = GPT2LMHeadModel(config).eval()
         model.tie_weights()
-        device_map = lib.infer_auto_device_map(model, max_memory={"cpu": size // 5},
-                                               no_split_module_classes=["GPT2Block"])
-        lib.load_checkpoint_and_dispatch(model, str(checkpoint), device_map=device_map,
-                                         offload_folder=str(scratch / f"disk-{name}"))
+        device_map = lib.infer_auto_device_map(
+            model, max_memory={"cpu": size // 5}, no_split_module_classes=["GPT2Block"]
+        )
+        lib.load_checkpoint_and_dispatch(
+            model,
+            str(checkpoint),
+            device_map=device_map,
+            offload_folder=str(scratch / f"disk-{name}"),
+        )
         models[f"disk/{name}"] = model
         torch.manual_seed(0)
         full = GPT2LMHeadModel.from_pretrained(checkpoint).eval()
@@ -157,23 +181,38 @@ def main() -> None:
         scratch = Path(tmp)
         checkpoint = scratch / "checkpoint"
         config, size = build_checkpoint(checkpoint, arguments.layers, arguments.width)
-        print(f"GPT-2, {arguments.layers} layers of width {arguments.width}: {size / 2**20:.1f} MiB "
-              f"of weights, CPU budget {size / 5 / 2**20:.1f} MiB (the rest on disk)")
+        print(
+            f"GPT-2, {arguments.layers} layers of width {arguments.width}: {size / 2**20:.1f} MiB "
+            f"of weights, CPU budget {size / 5 / 2**20:.1f} MiB (the rest on disk)"
+        )
         loads = measure_loads(checkpoint, size, arguments.load_runs, scratch)
-        print(f"\nload_checkpoint_and_dispatch, medians of {arguments.load_runs} fresh processes each:")
+        print(
+            f"\nload_checkpoint_and_dispatch, medians of {arguments.load_runs} fresh processes each:"
+        )
         print(f"{'':12} {'time':>9} {'peak RSS added':>15}")
         for which, figures in loads.items():
-            print(f"{which:12} {figures['seconds'] * 1000:7.0f} ms {figures['peak_added'] / 2**20:11.1f} MiB")
-        print(f"ratio ours/accelerate: time {loads['ours']['seconds'] / loads['accelerate']['seconds']:.2f}x, "
-              f"peak {loads['ours']['peak_added'] / loads['accelerate']['peak_added']:.2f}x")
+            print(
+                f"{which:12} {figures['seconds'] * 1000:7.0f} ms {figures['peak_added'] / 2**20:11.1f} MiB"
+            )
+        print(
+            f"ratio ours/accelerate: time {loads['ours']['seconds'] / loads['accelerate']['seconds']:.2f}x, "
+            f"peak {loads['ours']['peak_added'] / loads['accelerate']['peak_added']:.2f}x"
+        )
         with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):
             models = prepare_forward_models(config, checkpoint, size, scratch)
         medians = time_forwards(models, arguments.rounds, arguments.seq, config.vocab_size)
-        print(f"\nforward of 1 x {arguments.seq} tokens, medians of {arguments.rounds} interleaved rounds:")
-        for kind, label in (("disk", "most of the model on disk"), ("cpu", "whole model CPU-offloaded")):
+        print(
+            f"\nforward of 1 x {arguments.seq} tokens, medians of {arguments.rounds} interleaved rounds:"
+        )
+        for kind, label in (
+            ("disk", "most of the model on disk"),
+            ("cpu", "whole model CPU-offloaded"),
+        ):
             ours_s, theirs = medians[f"{kind}/ours"], medians[f"{kind}/accelerate"]
-            print(f"{label:28} ours {ours_s * 1000:7.1f} ms   accelerate {theirs * 1000:7.1f} ms   "
-                  f"ratio {ours_s / theirs:.2f}x")
+            print(
+                f"{label:28} ours {ours_s * 1000:7.1f} ms   accelerate {theirs * 1000:7.1f} ms   "
+                f"ratio {ours_s / theirs:.2f}x"
+            )
         print(f"{'the model in memory (floor)':28} {medians['memory/plain'] * 1000:7.1f} ms")
 
 

@@ -177,13 +177,19 @@ Series = dict[str, list[float]]
 
 
 def flood_report(kernel: Kernel, calls: int, rounds: int) -> None:
-    print(f"\n2 ranks x {calls:,} accelerator.log calls, fork, {rounds} interleaved rounds (medians):")
+    print(
+        f"\n2 ranks x {calls:,} accelerator.log calls, fork, {rounds} interleaved rounds (medians):"
+    )
     for dashboard in (True, False):  # warm: imports, the first widgets
-        kernel.run(f"notebook_launcher(flood, args=(1000,), num_processes=2, start_method='fork', output='none', dashboard={dashboard})")
+        kernel.run(
+            f"notebook_launcher(flood, args=(1000,), num_processes=2, start_method='fork', output='none', dashboard={dashboard})"
+        )
     cpu, wall = flood_rounds(kernel, f"flood, args=({calls},)", rounds)
     on, off = statistics.median(cpu["on"]), statistics.median(cpu["off"])
-    print(f"  kernel CPU s: dashboard off {off:.3f}   on {on:.3f}   ratio {on / off:.3f}x"
-          f"   (rounds off {', '.join(f'{v:.3f}' for v in cpu['off'])}; on {', '.join(f'{v:.3f}' for v in cpu['on'])})")
+    print(
+        f"  kernel CPU s: dashboard off {off:.3f}   on {on:.3f}   ratio {on / off:.3f}x"
+        f"   (rounds off {', '.join(f'{v:.3f}' for v in cpu['off'])}; on {', '.join(f'{v:.3f}' for v in cpu['on'])})"
+    )
     w_on, w_off = statistics.median(wall["on"]), statistics.median(wall["off"])
     print(f"  cell busy s:  dashboard off {w_off:.2f}   on {w_on:.2f}   ratio {w_on / w_off:.3f}x")
     # A launch about as long (its ranks log once a millisecond): what any launch long enough
@@ -193,7 +199,9 @@ def flood_report(kernel: Kernel, calls: int, rounds: int) -> None:
     s_on, s_off = statistics.median(short["on"]), statistics.median(short["off"])
     print(f"  a {seconds:.2f} s launch logging once a millisecond: off {s_off:.3f}   on {s_on:.3f}")
     # No ratio: both differences lie within the rounds' spread of zero on a quiet machine.
-    print(f"  what the flood's calls add to the kernel's CPU: off {off - s_off:+.3f} s   on {on - s_on:+.3f} s")
+    print(
+        f"  what the flood's calls add to the kernel's CPU: off {off - s_off:+.3f} s   on {on - s_on:+.3f} s"
+    )
 
 
 def flood_rounds(kernel: Kernel, job: str, rounds: int) -> tuple[Series, Series]:
@@ -212,8 +220,14 @@ def flood_rounds(kernel: Kernel, job: str, rounds: int) -> tuple[Series, Series]
     return cpu, wall
 
 
-def log_storm(kernel: Kernel, seconds: float, rounds: int) -> tuple[Series, Series, Series, Series, Series]:
-    variants = {"dashboard on": ("True", True), "dashboard off": ("False", True), "no log calls": ("False", False)}
+def log_storm(
+    kernel: Kernel, seconds: float, rounds: int
+) -> tuple[Series, Series, Series, Series, Series]:
+    variants = {
+        "dashboard on": ("True", True),
+        "dashboard off": ("False", True),
+        "no log calls": ("False", False),
+    }
     loops: dict[str, list[float]] = {name: [] for name in variants}
     in_log: dict[str, list[float]] = {name: [] for name in variants}
     cpu: dict[str, list[float]] = {name: [] for name in variants}
@@ -223,14 +237,16 @@ def log_storm(kernel: Kernel, seconds: float, rounds: int) -> tuple[Series, Seri
     steps = int(seconds * 1000)
     for index in range(rounds):
         order = list(variants.items())
-        order = order[index % len(order):] + order[: index % len(order)]  # rotate: noise hits all
+        order = order[index % len(order) :] + order[: index % len(order)]  # rotate: noise hits all
         for name, (dashboard, log) in order:
             launch = kernel.client.execute(
                 f"print(json.dumps(kernel_cpu(lambda: notebook_launcher(storm, args=({per_step}, {steps}, {log}), "
                 f"num_processes=1, start_method='fork', dashboard={dashboard}))))"
             )
             queued = kernel.client.execute("print(time.time())")  # waits behind the launch
-            loop_s, log_s, loop_end, cpu_s, kernel_s = json.loads(kernel.collect(launch).strip().splitlines()[-1])
+            loop_s, log_s, loop_end, cpu_s, kernel_s = json.loads(
+                kernel.collect(launch).strip().splitlines()[-1]
+            )
             cpu[name].append(cpu_s)
             kernel_cpu[name].append(kernel_s)
             started = float(kernel.collect(queued).strip())
@@ -267,15 +283,21 @@ def main() -> int:
     parser.add_argument("--flood-rounds", type=int, default=3)
     parser.add_argument("--only", choices=("launch", "storm", "flood"), help="run one of the parts")
     options = parser.parse_args()
-    print(f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())} on {os.cpu_count()} CPUs")
+    print(
+        f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())} on {os.cpu_count()} CPUs"
+    )
     kernel = Kernel()
     try:
         if options.only in (None, "launch"):
-            print(f"2-rank launch in a Jupyter kernel, fork, {options.rounds} interleaved rounds (median s):")
+            print(
+                f"2-rank launch in a Jupyter kernel, fork, {options.rounds} interleaved rounds (median s):"
+            )
         for job in ("bare_job", "logging_job") if options.only in (None, "launch") else ():
             times = launch_overhead(kernel, job, options.rounds)
             on, off = statistics.median(times["on"]), statistics.median(times["off"])
-            print(f"  {job:12s} dashboard off {off:.3f}   dashboard on {on:.3f}   ratio {on / off:.2f}x")
+            print(
+                f"  {job:12s} dashboard off {off:.3f}   dashboard on {on:.3f}   ratio {on / off:.2f}x"
+            )
         if options.only in (None, "storm"):
             storm_report(kernel, options.storm_seconds, options.storm_rounds)
         if options.only in (None, "flood"):

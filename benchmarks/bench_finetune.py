@@ -44,7 +44,9 @@ def build(lora: bool) -> Any:
         return model
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    return get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    )
 
 
 def train(core: str, steps: int) -> dict[str, Any]:
@@ -61,7 +63,9 @@ def train(core: str, steps: int) -> dict[str, Any]:
         from notebook_launcher import Accelerator as Ours
         from notebook_launcher.accelerator.kwargs import FullyShardedDataParallelPlugin
 
-        accelerator = Ours(fsdp_plugin=FullyShardedDataParallelPlugin() if core == "ours-fsdp" else None)
+        accelerator = Ours(
+            fsdp_plugin=FullyShardedDataParallelPlugin() if core == "ours-fsdp" else None
+        )
     lora = core in ("ours", "accelerate")
     model = build(lora)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
@@ -82,7 +86,11 @@ def train(core: str, steps: int) -> dict[str, Any]:
     reading = rank_memory.read()
     state: dict[str, Any] = {}
     if lora:
-        state = {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items() if "lora_" in k}
+        state = {
+            k: v.detach().clone()
+            for k, v in accelerator.unwrap_model(model).state_dict().items()
+            if "lora_" in k
+        }
     return {
         "rank": accelerator.process_index,
         "step_s": statistics.median(times[2:]),  # the first steps build buffers
@@ -115,7 +123,9 @@ def run_torchrun(steps: int) -> tuple[list[dict[str, Any]], list[int]]:
 def run_ours(core: str, steps: int) -> tuple[list[dict[str, Any]], list[int]]:
     from notebook_launcher import launches, notebook_launcher
 
-    results = notebook_launcher(train, args=(core, steps), num_processes=2, hardware="cpu", output="none", return_all=True)
+    results = notebook_launcher(
+        train, args=(core, steps), num_processes=2, hardware="cpu", output="none", return_all=True
+    )
     peaks = [rank["peak_memory"]["peak_bytes"] for rank in launches()[-1]["ranks"]]
     return results, peaks
 
@@ -166,8 +176,12 @@ def main() -> None:
         for r in (0, 1)
         for k, v in rows["accelerate"][-1][0][r]["adapter"].items()
     )
-    print(f"LoRA, {args.steps} steps x {args.rounds} rounds, 2 CPU ranks; final adapters bit-identical: {same}")
-    print("| | step time (median) | training growth per rank (MB) | process peak per rank (MB) | wall per run |")
+    print(
+        f"LoRA, {args.steps} steps x {args.rounds} rounds, 2 CPU ranks; final adapters bit-identical: {same}"
+    )
+    print(
+        "| | step time (median) | training growth per rank (MB) | process peak per rank (MB) | wall per run |"
+    )
     print("|---|---|---|---|---|")
     summary = {}
     for name, label in (
@@ -175,8 +189,13 @@ def main() -> None:
         ("accelerate", "torchrun + accelerate"),
         ("accelerate-in-launch", "notebook_launcher + accelerate's Accelerator"),
     ):
-        step = statistics.median(statistics.median(r["step_s"] for r in results) for results, _, _ in rows[name])
-        growth = [statistics.median(results[r]["growth_bytes"] for results, _, _ in rows[name]) for r in (0, 1)]
+        step = statistics.median(
+            statistics.median(r["step_s"] for r in results) for results, _, _ in rows[name]
+        )
+        growth = [
+            statistics.median(results[r]["growth_bytes"] for results, _, _ in rows[name])
+            for r in (0, 1)
+        ]
         peak = [statistics.median(peaks[r] for _, peaks, _ in rows[name]) for r in (0, 1)]
         wall = statistics.median(w for _, _, w in rows[name])
         summary[name] = (step, growth, peak, wall)
@@ -189,10 +208,14 @@ def main() -> None:
     )
     full = {core: run_ours(core, args.steps) for core in ("ours-ddp-full", "ours-fsdp")}
     print()
-    print("Full fine-tuning (no LoRA), our Accelerator, peak RSS per rank (MB) while training / whole rank:")
+    print(
+        "Full fine-tuning (no LoRA), our Accelerator, peak RSS per rank (MB) while training / whole rank:"
+    )
     for core, (results, peaks) in full.items():
-        print(f"- {core}: {_mb([r['growth_bytes'] for r in results])} / {_mb(peaks)}; "
-              f"step {statistics.median(r['step_s'] for r in results) * 1e3:.1f} ms")
+        print(
+            f"- {core}: {_mb([r['growth_bytes'] for r in results])} / {_mb(peaks)}; "
+            f"step {statistics.median(r['step_s'] for r in results) * 1e3:.1f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,9 @@ def job(*_: object) -> float:
 
 def floor_job(index: int, port: int) -> None:
     """torch.multiprocessing's target: it sets no environment, so the job does it."""
-    os.environ.update(RANK=str(index), WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(index), WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     job()
 
 
@@ -51,7 +52,9 @@ def free_port() -> int:
 def ours(method: str) -> Callable[[], object]:
     from notebook_launcher import notebook_launcher
 
-    return lambda: notebook_launcher(job, num_processes=WORLD_SIZE, start_method=method, output="none")
+    return lambda: notebook_launcher(
+        job, num_processes=WORLD_SIZE, start_method=method, output="none"
+    )
 
 
 def torch_fork_floor() -> object:
@@ -129,9 +132,11 @@ def main() -> None:
 
     latencies = {
         "notebook_launcher fork": lambda: notebook_launcher(
-            raise_on_rank_one, num_processes=WORLD_SIZE, output="none"),
+            raise_on_rank_one, num_processes=WORLD_SIZE, output="none"
+        ),
         "notebook_launcher forkserver": lambda: notebook_launcher(
-            raise_on_rank_one, num_processes=WORLD_SIZE, start_method="forkserver", output="none"),
+            raise_on_rank_one, num_processes=WORLD_SIZE, start_method="forkserver", output="none"
+        ),
     }
     print("\nrank raises -> caller's exception, median of 5")
     for name, launch in latencies.items():

@@ -52,31 +52,63 @@ def free_port() -> int:
 
 
 def ours(nproc: int, nnodes: int, node: int, endpoint: str, join_timeout: int) -> list[str]:
-    return [sys.executable, "-m", "notebook_launcher", "run", "train.py", "-n", str(nproc),
-            "--num-nodes", str(nnodes), "--node-rank", str(node), "--rdzv-endpoint", endpoint,
-            "--rdzv-conf", f"join_timeout={join_timeout}"]
+    return [
+        sys.executable,
+        "-m",
+        "notebook_launcher",
+        "run",
+        "train.py",
+        "-n",
+        str(nproc),
+        "--num-nodes",
+        str(nnodes),
+        "--node-rank",
+        str(node),
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-conf",
+        f"join_timeout={join_timeout}",
+    ]
 
 
 def torchrun(nproc: int, nnodes: int, node: int, endpoint: str, join_timeout: int) -> list[str]:
     host, port = endpoint.rsplit(":", 1)
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            f"--nnodes={nnodes}", f"--node-rank={node}", f"--master-addr={host}",
-            f"--master-port={port}", "--rdzv-conf", f"join_timeout={join_timeout}", "train.py"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--nnodes={nnodes}",
+        f"--node-rank={node}",
+        f"--master-addr={host}",
+        f"--master-port={port}",
+        "--rdzv-conf",
+        f"join_timeout={join_timeout}",
+        "train.py",
+    ]
 
 
 TOOLS = {"notebook_launcher": ours, "torchrun": torchrun}
 
 
-def run_machines(commands: list[list[str]], folder: Path, bound: float, extra: list[str]) -> list[dict]:
+def run_machines(
+    commands: list[list[str]], folder: Path, bound: float, extra: list[str]
+) -> list[dict]:
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
     started = time.monotonic()
     machines = []
     for command in commands:
-        machines.append(subprocess.Popen(
-            command + (["--", *extra] if "notebook_launcher" in command and extra else extra),
-            cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True,
-        ))
+        machines.append(
+            subprocess.Popen(
+                command + (["--", *extra] if "notebook_launcher" in command and extra else extra),
+                cwd=folder,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
         time.sleep(0.2)
     results = []
     for machine in machines:
@@ -90,16 +122,26 @@ def run_machines(commands: list[list[str]], folder: Path, bound: float, extra: l
                 child.kill()
             output, _ = machine.communicate()
             code = f"still running at {bound:g}s (killed)"
-        lines = [line for line in output.splitlines() if line.strip() and not line.startswith(("[W", "frame #", "  "))]
-        results.append({
-            "seconds": time.monotonic() - started, "code": code,
-            "last": lines[-1][:150] if lines else "", "lines": len(output.splitlines()),
-        })
+        lines = [
+            line
+            for line in output.splitlines()
+            if line.strip() and not line.startswith(("[W", "frame #", "  "))
+        ]
+        results.append(
+            {
+                "seconds": time.monotonic() - started,
+                "code": code,
+                "last": lines[-1][:150] if lines else "",
+                "lines": len(output.splitlines()),
+            }
+        )
     time.sleep(0.5)
     left = []
     for process in psutil.process_iter(["cmdline"]):
         try:
-            if "train.py" in " ".join(process.info["cmdline"] or []) and process.cwd() == str(folder):
+            if "train.py" in " ".join(process.info["cmdline"] or []) and process.cwd() == str(
+                folder
+            ):
                 left.append(process)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
@@ -137,14 +179,20 @@ def case_absent_host(tool: str, folder: Path, bound: float) -> list[dict]:
 def case_other_counts(tool: str, folder: Path, bound: float) -> list[dict]:
     endpoint = f"127.0.0.1:{free_port()}"
     make = TOOLS[tool]
-    return run_machines([make(2, 2, 0, endpoint, 30), make(1, 2, 1, endpoint, 30)], folder, bound, [])
+    return run_machines(
+        [make(2, 2, 0, endpoint, 30), make(1, 2, 1, endpoint, 30)], folder, bound, []
+    )
 
 
 def case_machine_dies(tool: str, folder: Path, bound: float) -> list[dict]:
     endpoint = f"127.0.0.1:{free_port()}"
     make = TOOLS[tool]
-    return run_machines([make(1, 2, node, endpoint, 30) for node in (0, 1)], folder, bound,
-                        ["--die", "--whole-machine"])
+    return run_machines(
+        [make(1, 2, node, endpoint, 30) for node in (0, 1)],
+        folder,
+        bound,
+        ["--die", "--whole-machine"],
+    )
 
 
 CASES = {
@@ -158,14 +206,18 @@ CASES = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--bound", type=float, default=60.0)
     parser.add_argument("--only", help="run the cases whose name contains this")
     options = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-multinode-") as folder:
         Path(folder, "train.py").write_text(textwrap.dedent(TRAIN))
-        print("| case | tool | machine | ends after (median s) | exit code | left behind | lines | last line |")
+        print(
+            "| case | tool | machine | ends after (median s) | exit code | left behind | lines | last line |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for name, case in CASES.items():
             if options.only and options.only not in name:
@@ -177,13 +229,17 @@ def main() -> None:
                     seconds = statistics.median(run[machine]["seconds"] for run in runs)
                     last = runs[-1][machine]
                     medians.setdefault(tool, seconds)
-                    print(f"| {name} | {tool} | {machine} | {seconds:.1f} | {last['code']} | "
-                          f"{last['left']} process(es) | {last['lines']} | {last['last'].replace('|', '/')} |",
-                          flush=True)
+                    print(
+                        f"| {name} | {tool} | {machine} | {seconds:.1f} | {last['code']} | "
+                        f"{last['left']} process(es) | {last['lines']} | {last['last'].replace('|', '/')} |",
+                        flush=True,
+                    )
             if len(medians) == 2:
-                print(f"| {name} | ratio torchrun / ours (first machine) | | "
-                      f"{medians['torchrun'] / max(medians['notebook_launcher'], 1e-9):.2f} | | | | |",
-                      flush=True)
+                print(
+                    f"| {name} | ratio torchrun / ours (first machine) | | "
+                    f"{medians['torchrun'] / max(medians['notebook_launcher'], 1e-9):.2f} | | | | |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -50,7 +50,9 @@ def trainer_job(config: dict[str, Any]) -> None:
 def ours() -> float:
     from notebook_launcher import notebook_launcher
 
-    return float(notebook_launcher(ours_job, num_processes=WORLD_SIZE, backend="ray", output="none"))
+    return float(
+        notebook_launcher(ours_job, num_processes=WORLD_SIZE, backend="ray", output="none")
+    )
 
 
 def torch_trainer(storage: str) -> Callable[[], float]:
@@ -87,8 +89,13 @@ def main() -> None:
     own_cluster = [timed(ours) for _ in range(rounds)]
 
     temp_dir = tempfile.mkdtemp(prefix="nlbench")
-    ray.init(num_cpus=WORLD_SIZE, include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1", _temp_dir=temp_dir)
+    ray.init(
+        num_cpus=WORLD_SIZE,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+        _temp_dir=temp_dir,
+    )
     results_dir = tempfile.mkdtemp(prefix="nlbench-results")
     trainer = torch_trainer(results_dir)
     timings: dict[str, list[float]] = {"ours": [], "TorchTrainer": []}
@@ -105,11 +112,15 @@ def main() -> None:
     base = statistics.median(timings["ours"])
     for name, values in timings.items():
         median = statistics.median(values)
-        print(f"  {name:<32} {median:7.2f}  ({median / base:4.1f}x ours)  runs: "
-              + ", ".join(f"{v:.2f}" for v in values))
+        print(
+            f"  {name:<32} {median:7.2f}  ({median / base:4.1f}x ours)  runs: "
+            + ", ".join(f"{v:.2f}" for v in values)
+        )
     median = statistics.median(own_cluster)
-    print(f"  {'ours, starting its own cluster':<32} {median:7.2f}  runs: "
-          + ", ".join(f"{v:.2f}" for v in own_cluster))
+    print(
+        f"  {'ours, starting its own cluster':<32} {median:7.2f}  runs: "
+        + ", ".join(f"{v:.2f}" for v in own_cluster)
+    )
 
 
 if __name__ == "__main__":

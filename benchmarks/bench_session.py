@@ -126,37 +126,53 @@ def in_process(cells: int) -> None:
 
     launch()
     session_start_close()
-    starts = {"fresh notebook_launcher() launch (2 ranks, all_reduce)": [], "Session start (2 ranks, gloo up)": []}
+    starts = {
+        "fresh notebook_launcher() launch (2 ranks, all_reduce)": [],
+        "Session start (2 ranks, gloo up)": [],
+    }
     for _ in range(10):
         starts["fresh notebook_launcher() launch (2 ranks, all_reduce)"] += timed(launch, 1)
         starts["Session start (2 ranks, gloo up)"].append(session_start_only())
     cluster, view, ipp_start = start_ipyparallel()
     try:
-        launch_median = statistics.median(starts["fresh notebook_launcher() launch (2 ranks, all_reduce)"])
+        launch_median = statistics.median(
+            starts["fresh notebook_launcher() launch (2 ranks, all_reduce)"]
+        )
         print("starting 2 CPU ranks, median of 10 interleaved")
         for name, samples in starts.items():
             median = statistics.median(samples)
-            print(f"  {name:56s} {median * 1e3:9.1f} ms  ({median / launch_median:.2f}x a fresh launch)")
-        print(f"  {'ipyparallel Cluster(n=2) start + connect (once)':56s} {ipp_start * 1e3:9.1f} ms  "
-              f"({ipp_start / launch_median:.1f}x a fresh launch)")
+            print(
+                f"  {name:56s} {median * 1e3:9.1f} ms  ({median / launch_median:.2f}x a fresh launch)"
+            )
+        print(
+            f"  {'ipyparallel Cluster(n=2) start + connect (once)':56s} {ipp_start * 1e3:9.1f} ms  "
+            f"({ipp_start / launch_median:.1f}x a fresh launch)"
+        )
 
         with Session(num_processes=2, hardware="cpu", output="none") as session:
             times = interleave(
                 {
                     "ours: Session.execute": lambda: session.execute(CELL),
-                    "ipyparallel: DirectView.execute(block=True)": lambda: view.execute(CELL, block=True),
+                    "ipyparallel: DirectView.execute(block=True)": lambda: view.execute(
+                        CELL, block=True
+                    ),
                 },
                 cells,
             )
-            report(f"one cell (all_reduce of 8 floats, 2 CPU ranks), in this process, {cells} cells each",
-                   times, "ours: Session.execute")
+            report(
+                f"one cell (all_reduce of 8 floats, 2 CPU ranks), in this process, {cells} cells each",
+                times,
+                "ours: Session.execute",
+            )
             failures_and_interrupts(session)
     finally:
         cluster.stop_cluster_sync()
 
 
 def failures_and_interrupts(session: Any) -> None:
-    failing = "if rank == 1:\n    raise ValueError('bad')\ntorch.distributed.all_reduce(torch.ones(8))\n"
+    failing = (
+        "if rank == 1:\n    raise ValueError('bad')\ntorch.distributed.all_reduce(torch.ones(8))\n"
+    )
     failure_s = []
     for _ in range(5):
         started = time.perf_counter()
@@ -182,9 +198,13 @@ def failures_and_interrupts(session: Any) -> None:
             interrupt_s.append(time.perf_counter() - sent[0])
         session.execute(CELL)
     print("\nhow fast the caller hears of trouble, median of 5 (the next cell works each time)")
-    print(f"  rank 1 raises while rank 0 waits in all_reduce -> exception: {statistics.median(failure_s) * 1e3:8.1f} ms "
-          "(includes cutting rank 0's collective after 0.25 s and rebuilding the process group)")
-    print(f"  stop button while both ranks sleep -> KeyboardInterrupt:    {statistics.median(interrupt_s) * 1e3:8.1f} ms")
+    print(
+        f"  rank 1 raises while rank 0 waits in all_reduce -> exception: {statistics.median(failure_s) * 1e3:8.1f} ms "
+        "(includes cutting rank 0's collective after 0.25 s and rebuilding the process group)"
+    )
+    print(
+        f"  stop button while both ranks sleep -> KeyboardInterrupt:    {statistics.median(interrupt_s) * 1e3:8.1f} ms"
+    )
 
 
 def through_kernel(cells: int) -> None:
@@ -228,8 +248,11 @@ def through_kernel(cells: int) -> None:
             },
             cells,
         )
-        report(f"the same cell through a Jupyter kernel, as the client sees it, {cells} cells each",
-               times, "ours: %%distributed cell")
+        report(
+            f"the same cell through a Jupyter kernel, as the client sees it, {cells} cells each",
+            times,
+            "ours: %%distributed cell",
+        )
         run("cluster.stop_cluster_sync()\n%distributed stop")
     finally:
         with_timeout_shutdown(manager, client)
@@ -259,14 +282,20 @@ def against_peers(peer_python: str, cells: int) -> None:
         "jupyter-distributed": "pass",
         "nbdistributed": "%load_ext nbdistributed\n%dist_init -n 2",
     }
-    cell = {"plain": "pass", "ours": "%%distributed\npass", "jupyter-distributed": "pass",
-            "nbdistributed": "%%distributed\npass"}
+    cell = {
+        "plain": "pass",
+        "ours": "%%distributed\npass",
+        "jupyter-distributed": "pass",
+        "nbdistributed": "%%distributed\npass",
+    }
     with tempfile.TemporaryDirectory() as home:
         for name, (argv, env) in specs.items():
             folder = os.path.join(home, "kernels", name)
             os.makedirs(folder)
             with open(os.path.join(folder, "kernel.json"), "w") as spec:
-                json.dump({"argv": argv, "env": env, "display_name": name, "language": "python"}, spec)
+                json.dump(
+                    {"argv": argv, "env": env, "display_name": name, "language": "python"}, spec
+                )
         os.environ["JUPYTER_PATH"] = home
         running = {}
         try:
@@ -279,12 +308,19 @@ def against_peers(peer_python: str, cells: int) -> None:
                 running[name] = (manager, client)
                 kernel_run(client, setup[name])
             times = interleave(
-                {f"{name}: an empty cell": (lambda c=client, code=cell[name]: kernel_run(c, code))
-                 for name, (_, client) in running.items()},
+                {
+                    f"{name}: an empty cell": (
+                        lambda c=client, code=cell[name]: kernel_run(c, code)
+                    )
+                    for name, (_, client) in running.items()
+                },
                 cells,
             )
-            report(f"an empty cell on 2 CPU ranks through a Jupyter kernel, {cells} cells each",
-                   times, "ours: an empty cell")
+            report(
+                f"an empty cell on 2 CPU ranks through a Jupyter kernel, {cells} cells each",
+                times,
+                "ours: an empty cell",
+            )
         finally:
             for manager, client in running.values():
                 with_timeout_shutdown(manager, client)
@@ -311,8 +347,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="a cell on persistent ranks, side by side")
     parser.add_argument("--cells", type=int, default=200)
     parser.add_argument("--kernel-cells", type=int, default=100)
-    parser.add_argument("--peers-python", default=None,
-                        help="python of an environment with jupyter-distributed and nbdistributed")
+    parser.add_argument(
+        "--peers-python",
+        default=None,
+        help="python of an environment with jupyter-distributed and nbdistributed",
+    )
     options = parser.parse_args()
     warnings.filterwarnings("ignore")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -98,7 +98,9 @@ def main() -> int:
         expected = reference.to("cuda:0")(ids.to("cuda:0")).float().cpu()
     reference.to("cpu")
     scratch = Path(tempfile.mkdtemp())
-    write_model(reference.state_dict(), scratch / "ckpt", max_shard_size="100MB", safe_serialization=True)
+    write_model(
+        reference.state_dict(), scratch / "ckpt", max_shard_size="100MB", safe_serialization=True
+    )
     size = sum(p.numel() * 4 for p in reference.parameters())
     block = sum(p.numel() * 4 for p in reference.blocks[0].parameters())
 
@@ -134,8 +136,12 @@ def main() -> int:
         share = size // (2 * gpus) + block
         budgets: dict[Any, Any] = {i: share for i in range(gpus)}
         budgets["cpu"] = size // 4
-        plan = bm.infer_auto_device_map(model, max_memory=budgets, no_split_module_classes=["Block"])
-        bm.load_checkpoint_and_dispatch(model, scratch / "ckpt", device_map=plan, offload_folder=scratch / "spread")
+        plan = bm.infer_auto_device_map(
+            model, max_memory=budgets, no_split_module_classes=["Block"]
+        )
+        bm.load_checkpoint_and_dispatch(
+            model, scratch / "ckpt", device_map=plan, offload_folder=scratch / "spread"
+        )
         used = sorted(set(model.hf_device_map.values()))
         print(plan.describe())
         with torch.no_grad():
@@ -161,7 +167,7 @@ def main() -> int:
             for m in models.values():
                 m(x)
             for round_ in range(arguments.rounds):
-                for name in (list(models) if round_ % 2 == 0 else list(models)[::-1]):
+                for name in list(models) if round_ % 2 == 0 else list(models)[::-1]:
                     torch.cuda.synchronize()
                     start = time.perf_counter()
                     models[name](x)

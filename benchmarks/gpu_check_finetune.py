@@ -72,7 +72,12 @@ def build(quantized: bool) -> Any:
         model = _quantize(model)
     from peft import LoraConfig, get_peft_model
 
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    lora = LoraConfig(
+        r=16,
+        lora_alpha=32,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+    )
     return get_peft_model(model, lora)
 
 
@@ -87,7 +92,9 @@ def _quantize(model: torch.nn.Module) -> torch.nn.Module:
                     child.in_features, child.out_features, bias=child.bias is not None,
                     compute_dtype=torch.bfloat16, quant_type="nf4",
                 )  # fmt: skip
-                quantized.weight = bnb.nn.Params4bit(child.weight.data.cpu(), requires_grad=False, quant_type="nf4")
+                quantized.weight = bnb.nn.Params4bit(
+                    child.weight.data.cpu(), requires_grad=False, quant_type="nf4"
+                )
                 setattr(module, child_name, quantized)
     return model
 
@@ -106,7 +113,9 @@ def train(core: str, quantized: bool, steps: int) -> dict[str, Any]:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
     generator = torch.Generator().manual_seed(1)
-    data = torch.randint(0, VOCAB, (BATCH * accelerator.num_processes * steps, LENGTH), generator=generator)
+    data = torch.randint(
+        0, VOCAB, (BATCH * accelerator.num_processes * steps, LENGTH), generator=generator
+    )
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=False)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     torch.cuda.reset_peak_memory_stats()
@@ -130,7 +139,9 @@ def train(core: str, quantized: bool, steps: int) -> dict[str, Any]:
         "max_memory_allocated": torch.cuda.max_memory_allocated(),
         "losses": losses,
         "four_bit_layers": four_bit,
-        "trainable_only_lora": all("lora_" in n for n, p in unwrapped.named_parameters() if p.requires_grad),
+        "trainable_only_lora": all(
+            "lora_" in n for n, p in unwrapped.named_parameters() if p.requires_grad
+        ),
         "adapter": {k: v.float().cpu() for k, v in unwrapped.state_dict().items() if "lora_" in k},
     }
 
@@ -139,7 +150,11 @@ def _launch(core: str, quantized: bool, gpus: int, steps: int) -> list[dict[str,
     from notebook_launcher import notebook_launcher
 
     return notebook_launcher(
-        train, args=(core, quantized, steps), num_processes=gpus, mixed_precision="bf16", return_all=True,
+        train,
+        args=(core, quantized, steps),
+        num_processes=gpus,
+        mixed_precision="bf16",
+        return_all=True,
         output="none",
     )
 
@@ -181,10 +196,15 @@ def _torchrun(gpus: int, steps: int) -> list[dict[str, Any]]:
 def bf16_side_by_side(gpus: int, steps: int) -> str:
     ours = _launch("ours", False, gpus, steps)
     theirs = _torchrun(gpus, steps)
-    worst = max((ours[0]["adapter"][k] - v).abs().max().item() for k, v in theirs[0]["adapter"].items())
+    worst = max(
+        (ours[0]["adapter"][k] - v).abs().max().item() for k, v in theirs[0]["adapter"].items()
+    )
     print("| | step time (median) | max_memory_allocated per rank |")
     print("|---|---|---|")
-    for label, results in (("notebook_launcher + our Accelerator", ours), ("torchrun + accelerate", theirs)):
+    for label, results in (
+        ("notebook_launcher + our Accelerator", ours),
+        ("torchrun + accelerate", theirs),
+    ):
         memory = " / ".join(f"{r['max_memory_allocated'] / 2**30:.2f} GiB" for r in results)
         print(f"| {label} | {results[0]['step_s'] * 1e3:.1f} ms | {memory} |")
     ratio = ours[0]["step_s"] / theirs[0]["step_s"]
@@ -217,7 +237,10 @@ def main() -> int:
     check("QLoRA on one GPU", lambda: qlora(1, args.steps))
     if gpus > 1:
         check("QLoRA on two GPUs", lambda: qlora(2, args.steps))
-    check(f"bf16 LoRA, ours vs accelerate ({gpus} GPU(s))", lambda: bf16_side_by_side(gpus, args.steps))
+    check(
+        f"bf16 LoRA, ours vs accelerate ({gpus} GPU(s))",
+        lambda: bf16_side_by_side(gpus, args.steps),
+    )
     failed = [r for r in RESULTS if r[0] == "FAIL"]
     print(f"{len(RESULTS) - len(failed)} of {len(RESULTS)} checks passed or skipped")
     return 1 if failed else 0

@@ -39,8 +39,13 @@ def cuda_job(scale: float) -> tuple[int, int, str, float, str]:
     dist.all_reduce(value)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         product = torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")
-    seen = (dist.get_rank(), torch.cuda.current_device(), torch.cuda.get_device_name(),
-            value.item(), str(product.dtype))
+    seen = (
+        dist.get_rank(),
+        torch.cuda.current_device(),
+        torch.cuda.get_device_name(),
+        value.item(),
+        str(product.dtype),
+    )
     dist.destroy_process_group()
     return seen
 
@@ -52,13 +57,17 @@ def train_with_core(steps: int) -> tuple[str, str, str, float]:
     from notebook_launcher import Accelerator
 
     accelerator = Accelerator()
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 16))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 16)
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model, optimizer = accelerator.prepare(model, optimizer)
     inputs = torch.randn(64, 256, device=accelerator.device)
     targets = torch.randn(64, 16, device=accelerator.device)
     inner: list[str] = []  # the prepared model returns fp32; autocast shows inside it
-    accelerator.unwrap_model(model)[2].register_forward_hook(lambda m, i, o: inner.append(str(o.dtype)))
+    accelerator.unwrap_model(model)[2].register_forward_hook(
+        lambda m, i, o: inner.append(str(o.dtype))
+    )
     for _ in range(steps):
         outputs = model(inputs)
         loss = torch.nn.functional.mse_loss(outputs.float(), targets)
@@ -78,7 +87,9 @@ def main() -> int:
         assert gpus >= 1, "nvidia-smi lists no GPU"
         assert not torch.cuda.is_initialized(), "detection initialised CUDA"
         assert report.accelerator == "cuda" and report.default_num_processes == gpus
-        return ", ".join(f"{g.name} {g.memory_mib} MiB cc {g.compute_capability}" for g in report.gpus)
+        return ", ".join(
+            f"{g.name} {g.memory_mib} MiB cc {g.compute_capability}" for g in report.gpus
+        )
 
     def one_rank_per_gpu_by_default() -> str:
         values = notebook_launcher(cuda_job, (1.0,), return_all=True, mixed_precision="bf16")
@@ -91,8 +102,10 @@ def main() -> int:
         supported = [p for p, why in hardware.precision_support(report).items() if why is None]
         for precision in supported:
             seen = notebook_launcher(
-                lambda: os.environ["ACCELERATE_MIXED_PRECISION"], num_processes=1,
-                mixed_precision=precision, output="none",
+                lambda: os.environ["ACCELERATE_MIXED_PRECISION"],
+                num_processes=1,
+                mixed_precision=precision,
+                output="none",
             )
             assert seen == precision
         return "accepted: " + ", ".join(supported)
@@ -137,36 +150,52 @@ def main() -> int:
             started = time.perf_counter()
             notebook_launcher(cuda_job, (1.0,), output="none")
             warm.append(time.perf_counter() - started)
-        return (f"auto chose the forkserver; first launch {first:.2f}s, warm re-launch median "
-                f"{statistics.median(warm) * 1e3:.0f} ms (nccl init included)")
+        return (
+            f"auto chose the forkserver; first launch {first:.2f}s, warm re-launch median "
+            f"{statistics.median(warm) * 1e3:.0f} ms (nccl init included)"
+        )
 
     def core_in_launched_ranks() -> str:
         import importlib.util
         import math
 
         precisions = ["bf16", "fp16"]
-        if hardware.precision_support(report)["fp8"] is None and importlib.util.find_spec("torchao"):
+        if hardware.precision_support(report)["fp8"] is None and importlib.util.find_spec(
+            "torchao"
+        ):
             precisions.append("fp8")
         seen = []
         for precision in precisions:
-            values = notebook_launcher(train_with_core, (20,), mixed_precision=precision,
-                                       return_all=True, output="none")
+            values = notebook_launcher(
+                train_with_core, (20,), mixed_precision=precision, return_all=True, output="none"
+            )
             for rank, (device, used, dtype, loss) in enumerate(values):
                 assert device == f"cuda:{rank}" and used == precision, values
                 assert math.isfinite(loss), values
                 expected = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}.get(precision, dtype)
                 assert dtype == expected, f"{precision} ran with {dtype} outputs"
-            seen.append(f"{precision}: last Linear computes in {values[0][2]}, loss {values[0][3]:.3f}")
+            seen.append(
+                f"{precision}: last Linear computes in {values[0][2]}, loss {values[0][3]:.3f}"
+            )
         return "; ".join(seen)
 
     for name, body in [
         ("GPUs found without initialising CUDA", detection),
         ("one rank per GPU by default, each on cuda:LOCAL_RANK", one_rank_per_gpu_by_default),
-        ("precisions this GPU supports are accepted and reach the ranks", precisions_accepted_on_this_gpu),
+        (
+            "precisions this GPU supports are accepted and reach the ranks",
+            precisions_accepted_on_this_gpu,
+        ),
         ("more ranks than GPUs is refused", too_many_ranks_refused),
         ("an exception in a CUDA rank surfaces with its type", failure_in_a_cuda_rank),
-        ("the training core in launched CUDA ranks runs the launch's precision", core_in_launched_ranks),
-        ("after CUDA init in the caller: fork refused, auto uses the warm forkserver", forkserver_after_cuda_init),
+        (
+            "the training core in launched CUDA ranks runs the launch's precision",
+            core_in_launched_ranks,
+        ),
+        (
+            "after CUDA init in the caller: fork refused, auto uses the warm forkserver",
+            forkserver_after_cuda_init,
+        ),
     ]:
         check(name, body)
     print(f"{'FAILED: ' + ', '.join(failures) if failures else 'ALL PASSED'}")

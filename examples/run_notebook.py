@@ -1,6 +1,6 @@
 """Execute a notebook in a real Jupyter kernel and print what each cell showed.
 
-    python examples/run_notebook.py examples/01_quickstart.ipynb
+python examples/run_notebook.py examples/01_quickstart.ipynb
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ def main() -> int:
     notebook = nbformat.read(options.notebook, as_version=4)
     started = time.monotonic()
     NotebookClient(
-        notebook, timeout=options.timeout, kernel_name="python3",
+        notebook,
+        timeout=options.timeout,
+        kernel_name="python3",
         resources={"metadata": {"path": str(options.notebook.parent)}},
     ).execute()
     for index, cell in enumerate(notebook.cells):
@@ -34,7 +36,9 @@ def main() -> int:
                 sys.stdout.write(output.text)
             elif "data" in output and "text/plain" in output.data:
                 print(output.data["text/plain"])
-    print(f"--- {options.notebook} ran in a Jupyter kernel in {time.monotonic() - started:.1f}s ---")
+    print(
+        f"--- {options.notebook} ran in a Jupyter kernel in {time.monotonic() - started:.1f}s ---"
+    )
     return 0
 
 

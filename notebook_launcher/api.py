@@ -82,13 +82,27 @@ def notebook_launcher(
             True (the same, and an error where ipywidgets is missing) or False (none).
     """
     call = LaunchCall(
-        num_processes=num_processes, mixed_precision=mixed_precision, use_port=use_port,
-        master_addr=master_addr, node_rank=node_rank, num_nodes=num_nodes,
-        rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf,
-        rdzv_id=rdzv_id, max_restarts=max_restarts, monitor_interval=monitor_interval,
-        log_line_prefix_template=log_line_prefix_template, hardware=hardware,
-        start_method=start_method, timeout=timeout, return_all=return_all, output=output,
-        backend=backend, keep_result_devices=keep_result_devices, backend_options=backend_options,
+        num_processes=num_processes,
+        mixed_precision=mixed_precision,
+        use_port=use_port,
+        master_addr=master_addr,
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_conf=rdzv_conf,
+        rdzv_id=rdzv_id,
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        log_line_prefix_template=log_line_prefix_template,
+        hardware=hardware,
+        start_method=start_method,
+        timeout=timeout,
+        return_all=return_all,
+        output=output,
+        backend=backend,
+        keep_result_devices=keep_result_devices,
+        backend_options=backend_options,
     )
     prepared = launch.prepare(function, args, kwargs, call)
     board = dashboard_observer(dashboard)

@@ -104,29 +104,47 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("script", metavar="SCRIPT", help="the Python file each rank runs")
     run.add_argument(
-        "-n", "--num-processes", type=_positive_int, metavar="N",
+        "-n",
+        "--num-processes",
+        type=_positive_int,
+        metavar="N",
         help="ranks to start (default: one per GPU, else 2 CPU ranks)",
     )
-    _add_choice(run, "--mixed-precision", rules.PRECISIONS,
-                "precision the training core (or accelerate) applies in each rank")
+    _add_choice(
+        run,
+        "--mixed-precision",
+        rules.PRECISIONS,
+        "precision the training core (or accelerate) applies in each rank",
+    )
     run.add_argument(
-        "--hardware", choices=rules.HARDWARE_CHOICES, default="auto",
+        "--hardware",
+        choices=rules.HARDWARE_CHOICES,
+        default="auto",
         help="where ranks run (default: auto)",
     )
-    _add_choice(run, "--start-method", rules.START_METHODS, "how rank processes start (default: auto)")
+    _add_choice(
+        run, "--start-method", rules.START_METHODS, "how rank processes start (default: auto)"
+    )
     run.add_argument(
-        "--timeout", type=_positive_float, metavar="SECONDS",
+        "--timeout",
+        type=_positive_float,
+        metavar="SECONDS",
         help="stop every rank and fail after this many seconds",
     )
     run.add_argument(
-        "--output", choices=rules.OUTPUT_MODES, default="all",
+        "--output",
+        choices=rules.OUTPUT_MODES,
+        default="all",
         help="whose output to show: every rank, rank 0 only, or none (default: all)",
     )
     run.add_argument(
         "--port", type=int, metavar="PORT", help="rendezvous port (default: a free one)"
     )
     run.add_argument(
-        "--max-restarts", type=_whole, default=0, metavar="N",
+        "--max-restarts",
+        type=_whole,
+        default=0,
+        metavar="N",
         help="after a rank fails, restart every rank up to N times (default: 0)",
     )
     _add_backend_arguments(run)
@@ -139,12 +157,17 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT")
     nodes.add_argument("--rdzv-id", default="none", metavar="ID")
     nodes.add_argument(
-        "--rdzv-conf", type=_rdzv_conf, default={}, metavar="KEY=VALUE,...",
+        "--rdzv-conf",
+        type=_rdzv_conf,
+        default={},
+        metavar="KEY=VALUE,...",
         help="rendezvous options, as torchrun's: join_timeout=900,last_call_timeout=30; "
         "the shared secret is better given in $NOTEBOOK_LAUNCHER_RDZV_SECRET",
     )
     nodes.add_argument(
-        "--master-addr", default="127.0.0.1", metavar="ADDRESS",
+        "--master-addr",
+        default="127.0.0.1",
+        metavar="ADDRESS",
         help="address the store listens on (default: 127.0.0.1)",
     )
     return parser
@@ -160,7 +183,9 @@ def _add_backend_arguments(run: argparse.ArgumentParser) -> None:
     known = backends.registered()
     where = "; ".join(f"{name}: {b.description}" for name, b in known.items() if b.description)
     run.add_argument(
-        "--backend", choices=backends.names(), default="auto",
+        "--backend",
+        choices=backends.names(),
+        default="auto",
         help=f"what starts the ranks ({where}; default: auto, by the hardware)",
     )
     added: set[str] = set()
@@ -171,7 +196,9 @@ def _add_backend_arguments(run: argparse.ArgumentParser) -> None:
             added.add(option.name)
             users = [b.name for b in known.values() if option in b.options]
             run.add_argument(
-                "--" + option.name.replace("_", "-"), dest=option.name, metavar=option.metavar,
+                "--" + option.name.replace("_", "-"),
+                dest=option.name,
+                metavar=option.metavar,
                 help=f"with --backend {' or '.join(users)}: {option.help}",
             )
 
@@ -210,7 +237,9 @@ def _rdzv_conf(text: str) -> dict[str, Any]:
     for pair in filter(None, (part.strip() for part in text.split(","))):
         key, equals, value = pair.partition("=")
         if not equals or not key.strip():
-            raise argparse.ArgumentTypeError(f"expected KEY=VALUE pairs separated by commas, got {pair!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected KEY=VALUE pairs separated by commas, got {pair!r}"
+            )
         conf[key.strip()] = _maybe_number(value.strip())
     return conf
 

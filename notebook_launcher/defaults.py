@@ -172,7 +172,9 @@ def load_defaults() -> LaunchDefaults:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        _warn_ignored(path, f"it is not UTF-8 text (byte {e.start} is {raw[e.start:e.start + 1]!r})")
+        _warn_ignored(
+            path, f"it is not UTF-8 text (byte {e.start} is {raw[e.start : e.start + 1]!r})"
+        )
         return LaunchDefaults()
     try:
         data = json.loads(text)
@@ -219,7 +221,9 @@ def _read_small_regular_file(path: Path) -> bytes:
             chunks.append(chunk)
             size += len(chunk)
         if size > MAX_FILE_BYTES:
-            raise _NotADefaultsFile(f"it is more than {MAX_FILE_BYTES} bytes, more than a defaults file can be")
+            raise _NotADefaultsFile(
+                f"it is more than {MAX_FILE_BYTES} bytes, more than a defaults file can be"
+            )
         return b"".join(chunks)
     finally:
         os.close(fd)
@@ -227,8 +231,10 @@ def _read_small_regular_file(path: Path) -> bytes:
 
 def _file_kind(mode: int) -> str:
     kinds = [
-        (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
         (stat.S_ISSOCK, "a socket"),
     ]
     return next((word for test, word in kinds if test(mode)), "a special file")

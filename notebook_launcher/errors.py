@@ -60,7 +60,9 @@ class RankFailure:
     traceback: str = ""  # the rank's own formatted traceback
     output_tail: str = ""  # last lines the rank wrote to stderr (for crashes without a traceback)
     time: float = 0.0  # when it failed (seconds since the epoch); orders the root cause first
-    lost: str = ""  # the rank went with what ran it (a Ray node that left its cluster): how, in words
+    lost: str = (
+        ""  # the rank went with what ran it (a Ray node that left its cluster): how, in words
+    )
 
     @property
     def signal_name(self) -> str | None:
@@ -76,7 +78,11 @@ class RankFailure:
         if self.lost:
             return f"{who} was lost: {self.lost}"
         if self.exception_type:
-            text = f"{self.exception_type}: {cut(self.message)}" if self.message else self.exception_type
+            text = (
+                f"{self.exception_type}: {cut(self.message)}"
+                if self.message
+                else self.exception_type
+            )
             return f"{who} raised {text}"
         if self.signal_name:
             description = _SIGNAL_DESCRIPTIONS.get(self.signal_name, "")
@@ -141,7 +147,9 @@ class SessionTimeoutError(SessionError, TimeoutError):
     """A session cell ran past its ``timeout`` and was interrupted; the session goes on."""
 
 
-_typed_classes: dict[tuple[type[BaseException] | None, type[Exception] | None], type[RankFailedError]] = {}
+_typed_classes: dict[
+    tuple[type[BaseException] | None, type[Exception] | None], type[RankFailedError]
+] = {}
 
 
 def rank_failed_error_class(remote_type: type[BaseException] | None) -> type[RankFailedError]:

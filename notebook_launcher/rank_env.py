@@ -75,7 +75,9 @@ _ACCELERATE_STATE = "accelerate.state"
 _TRUE = ("1", "true", "yes", "on")
 
 
-def accelerate_sees_every_cpu_rank(environ: dict[str, str] | os._Environ[str] | None = None) -> None:
+def accelerate_sees_every_cpu_rank(
+    environ: dict[str, str] | os._Environ[str] | None = None,
+) -> None:
     """In a CPU rank, Hugging Face accelerate's ``PartialState()`` sees every rank.
 
     accelerate chooses MULTI_CPU only from its ``cpu`` argument: no environment variable

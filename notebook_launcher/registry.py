@@ -33,7 +33,9 @@ class LaunchRecord:
     state: str  # "starting", "running" or "stopping"; a session also "idle" between cells
     started_at: float  # seconds since the epoch
     rank_pids: list[int] = dataclasses.field(default_factory=list)
-    kind: str = "launch"  # "launch" (one function, then done) or "session" (ranks kept across cells)
+    kind: str = (
+        "launch"  # "launch" (one function, then done) or "session" (ranks kept across cells)
+    )
     # The kernel's pid namespace: a record read from another one (a container's, through a
     # shared runtime directory) names a pid that means nothing here.
     pid_namespace: str = ""
@@ -144,7 +146,9 @@ def _leave_marker(launch_id: str, marker: str, kinds: tuple[str, ...] | None = N
     """Leave ``marker`` for a running launch (of one of ``kinds``); False when none runs."""
     if not launch_id.isalnum():  # it names a file: refuse anything path-like
         return False
-    if not any(r.launch_id == launch_id and (kinds is None or r.kind in kinds) for r in list_launches()):
+    if not any(
+        r.launch_id == launch_id and (kinds is None or r.kind in kinds) for r in list_launches()
+    ):
         return False
     (registry_dir() / f"{launch_id}{marker}").write_text(str(time.time()))
     return True

@@ -22,6 +22,7 @@ START_METHODS = ("auto", "fork", "forkserver", "spawn")
 OUTPUT_MODES = ("all", "main", "none")
 HARDWARE_CHOICES = ("auto", "cpu", "cuda", "tpu", "mps")
 
+
 def canonical(value: object) -> object:
     """A choice as the rules name it: "BF16 " and "bf16" are the same precision everywhere."""
     return value.strip().lower() if isinstance(value, str) else value
@@ -53,7 +54,9 @@ def precision_support(report: Machine, accelerator: str | None = None) -> dict[s
         caps = [_capability(g) for g in report.gpus]
         names = ", ".join(sorted({g.name for g in report.gpus})) or "this GPU"
         if any(c < (8, 0) for c in caps):
-            support["bf16"] = f"bf16 needs an Ampere or newer GPU (compute capability 8.0); {names} is older"
+            support["bf16"] = (
+                f"bf16 needs an Ampere or newer GPU (compute capability 8.0); {names} is older"
+            )
         if not all(c >= (8, 9) for c in caps):
             support["fp8"] = (
                 f"fp8 needs a Hopper or Ada GPU (compute capability 8.9 or 9.0, e.g. H100); {names} has none"
@@ -97,7 +100,9 @@ def start_method_support(
         if method == "auto":
             support[method] = None
         elif method not in methods:
-            support[method] = f"this platform ({platform}) has no {method!r} start method (it has {have})"
+            support[method] = (
+                f"this platform ({platform}) has no {method!r} start method (it has {have})"
+            )
         elif method == "fork" and not platform.startswith("linux"):
             # macOS lists fork, but a process forked after its system frameworks were
             # loaded crashes or deadlocks (Python made spawn the default there for this).
@@ -169,7 +174,9 @@ def _open_files_limit() -> int:
 
 
 def num_processes_problem(
-    value: int, report: Machine, accelerator: str | None = None,
+    value: int,
+    report: Machine,
+    accelerator: str | None = None,
     open_files_limit: int | None = None,
 ) -> str | None:
     """Why ``value`` ranks cannot run on ``accelerator`` here (a sentence with the fix), or None."""

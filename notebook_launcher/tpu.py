@@ -51,7 +51,9 @@ class TpuInfo:
     accelerator_type: str  # as the runtime names it ("v5litepod-8", "v2-8"); "" when not set
     chips: int  # chips attached to this host
     cores_per_chip: int  # XLA devices per chip: 2 on v2/v3 (threads of one process), else 1
-    processes: int  # processes torch_xla starts here: one per chip unless TPU_PROCESS_BOUNDS narrows
+    processes: (
+        int  # processes torch_xla starts here: one per chip unless TPU_PROCESS_BOUNDS narrows
+    )
     hosts: int  # hosts of the slice; a launch here uses this host's chips only
     pjrt_device: str  # the device PJRT will use: "TPU", or "CPU" when PJRT_DEVICE=CPU is set
     libtpu_version: str | None
@@ -79,7 +81,9 @@ class TpuInfo:
         )
 
 
-def detect_tpu(environ: Mapping[str, str] | None = None, root: str | os.PathLike[str] = "/") -> TpuInfo | None:
+def detect_tpu(
+    environ: Mapping[str, str] | None = None, root: str | os.PathLike[str] = "/"
+) -> TpuInfo | None:
     """The TPU this machine has, or None; PJRT_DEVICE=CPU gives XLA on the CPU instead."""
     env = os.environ if environ is None else environ
     root = Path(root)
@@ -91,7 +95,9 @@ def detect_tpu(environ: Mapping[str, str] | None = None, root: str | os.PathLike
     device_files = _device_files(root)
     if device_files:
         evidence.append(f"{device_files} TPU device file(s) in /dev")
-    accelerator_type = (env.get("TPU_ACCELERATOR_TYPE") or env.get("ACCELERATOR_TYPE") or "").strip()
+    accelerator_type = (
+        env.get("TPU_ACCELERATOR_TYPE") or env.get("ACCELERATOR_TYPE") or ""
+    ).strip()
     if accelerator_type:
         evidence.append(f"TPU_ACCELERATOR_TYPE={accelerator_type}")
     if env.get("TPU_NAME"):
@@ -153,7 +159,9 @@ def slice_hosts(environ: Mapping[str, str]) -> tuple[int, str]:
     since the runtime waits for every host any of them names.
     """
     found = [(1, "")]
-    accelerator_type = (environ.get("TPU_ACCELERATOR_TYPE") or environ.get("ACCELERATOR_TYPE") or "").strip()
+    accelerator_type = (
+        environ.get("TPU_ACCELERATOR_TYPE") or environ.get("ACCELERATOR_TYPE") or ""
+    ).strip()
     type_hosts = parse_accelerator_type(accelerator_type)[2]
     found.append((type_hosts, f"TPU_ACCELERATOR_TYPE={accelerator_type}"))
     names = [n for n in environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if n.strip()]
@@ -216,8 +224,15 @@ def _xla_on_cpu(env: Mapping[str, str], libtpu: str | None, evidence: tuple[str,
     devices = int(raw) if raw.isdigit() and int(raw) > 0 else 1
     # xmp.spawn on CPU always starts one process; CPU_NUM_DEVICES gives it threads.
     return TpuInfo(
-        generation="", accelerator_type="", chips=1, cores_per_chip=devices, processes=1,
-        hosts=1, pjrt_device="CPU", libtpu_version=libtpu, evidence=evidence,
+        generation="",
+        accelerator_type="",
+        chips=1,
+        cores_per_chip=devices,
+        processes=1,
+        hosts=1,
+        pjrt_device="CPU",
+        libtpu_version=libtpu,
+        evidence=evidence,
     )
 
 

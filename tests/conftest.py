@@ -63,8 +63,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.xdist_group(group))
         order[id(item)] = rank
     items.sort(key=lambda item: order.get(id(item), 3))
-    unexplained = [item.nodeid for item in items
-                   if any(not mark.kwargs.get("reason") for mark in item.iter_markers("slow"))]
+    unexplained = [
+        item.nodeid
+        for item in items
+        if any(not mark.kwargs.get("reason") for mark in item.iter_markers("slow"))
+    ]
     if unexplained:
         raise pytest.UsageError(
             f"mark slow tests with their reason, pytest.mark.slow(reason=...): {unexplained[:5]}"
@@ -72,7 +75,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 # The first browser test starts JupyterLab's server and chromium for all of them.
-_BROWSER_SLOW = "drives JupyterLab or Notebook 7 in chromium; the first starts the shared server and browser"
+_BROWSER_SLOW = (
+    "drives JupyterLab or Notebook 7 in chromium; the first starts the shared server and browser"
+)
 
 
 def _shares_a_module_fixture(item: pytest.Item) -> bool:
@@ -116,8 +121,13 @@ def _default_sigint(request: pytest.FixtureRequest) -> Iterator[None]:
     """Each test starts with Python's own SIGINT handler; a test that left another one is
     named in a warning."""
     found = signal.getsignal(signal.SIGINT)
-    if found is not signal.default_int_handler and threading.current_thread() is threading.main_thread():
-        warnings.warn(f"SIGINT's handler was {found!r} after {_last_test['name']}; reset", stacklevel=1)
+    if (
+        found is not signal.default_int_handler
+        and threading.current_thread() is threading.main_thread()
+    ):
+        warnings.warn(
+            f"SIGINT's handler was {found!r} after {_last_test['name']}; reset", stacklevel=1
+        )
         signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     _last_test["name"] = request.node.nodeid
@@ -182,7 +192,10 @@ def _still_open(descriptors: dict[str, str], safety_net_s: float = 10.0) -> dict
 def _signal_handlers() -> dict[int, object]:
     import signal
 
-    return {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE)}
+    return {
+        s: signal.getsignal(s)
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE)
+    }
 
 
 def _environ() -> dict[str, str]:
@@ -234,7 +247,10 @@ def run_script(source: str, tmp_path: Path, timeout: float = 600) -> str:
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(source))
     done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=timeout,
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         cwd=tmp_path,
     )
     assert done.returncode == 0, f"script failed:\n{done.stdout}\n{done.stderr}"

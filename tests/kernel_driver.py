@@ -39,7 +39,11 @@ class RunningKernel:
         return self.client.execute(textwrap.dedent(code))
 
     def collect(
-        self, msg_id: str, timeout: float = 600, until: str | None = None, until_message: str | None = None,
+        self,
+        msg_id: str,
+        timeout: float = 600,
+        until: str | None = None,
+        until_message: str | None = None,
         until_stderr: str | None = None,
     ) -> CellRun:
         """Gather the cell's outputs until it is idle (or until ``until`` appears in stdout,
@@ -100,8 +104,6 @@ def run_ok(kernel: RunningKernel, code: str) -> CellRun:
     return cell
 
 
-
-
 class CellEnded(AssertionError):
     """The cell ended before the output a test waited for; ``cell`` holds what it showed."""
 
@@ -110,7 +112,9 @@ class CellEnded(AssertionError):
         self.cell = cell
 
 
-def wait_for_output(kernel: RunningKernel, msg_id: str, texts: list[str], timeout: float = 900) -> CellRun:
+def wait_for_output(
+    kernel: RunningKernel, msg_id: str, texts: list[str], timeout: float = 900
+) -> CellRun:
     """The running cell's output until each of ``texts`` appeared in its stdout; raises
     CellEnded at once if the cell ends first (``timeout`` is a safety net)."""
     seen = CellRun()

@@ -66,14 +66,21 @@ class LoopbackRayCluster:
 
     def add_node(self, num_cpus: int, resources: dict[str, float] | None = None) -> RayNode:
         """Start a node (the first one is the head) and wait until it registered."""
-        spec = {"head": not self.nodes, "num_cpus": num_cpus, "resources": resources or {},
-                "temp_dir": self.temp_dir}
+        spec = {
+            "head": not self.nodes,
+            "num_cpus": num_cpus,
+            "resources": resources or {},
+            "temp_dir": self.temp_dir,
+        }
         if self.nodes:
             spec["gcs_address"] = self.address
         for _ in range(_ATTEMPTS):
             host = subprocess.Popen(
-                [sys.executable, HOST, json.dumps(spec)], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, env=self.env, text=True,
+                [sys.executable, HOST, json.dumps(spec)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=self.env,
+                text=True,
             )
             self._hosts.append(host)
             favour(host.pid)  # before it has imported Ray, let alone started the node
@@ -87,7 +94,9 @@ class LoopbackRayCluster:
                 return node
             self.failed_starts.append(info["error"])
             self._end(host)
-        raise RuntimeError(f"a Ray node did not start in {_ATTEMPTS} attempts: {self.failed_starts}")
+        raise RuntimeError(
+            f"a Ray node did not start in {_ATTEMPTS} attempts: {self.failed_starts}"
+        )
 
     def processes(self, node: RayNode | None = None) -> list[psutil.Process]:
         """The live processes of one node (or of all of them): Ray's, its workers, the ranks."""

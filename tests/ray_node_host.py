@@ -108,7 +108,12 @@ def main() -> None:
         for info in infos:
             threading.Thread(target=info.process.wait, daemon=True).start()
     raylet = node.all_processes["raylet"][0].process.pid
-    print(json.dumps({"node_id": node.node_id, "gcs_address": node.gcs_address, "raylet_pid": raylet}), flush=True)
+    print(
+        json.dumps(
+            {"node_id": node.node_id, "gcs_address": node.gcs_address, "raylet_pid": raylet}
+        ),
+        flush=True,
+    )
     sys.stdin.read()
     node.kill_all_processes(check_alive=False, allow_graceful=True, wait=True)
 

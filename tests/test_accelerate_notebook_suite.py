@@ -53,9 +53,26 @@ def with_our_launcher(source: str) -> str:
 def run_suite(suite: Path, *select: str) -> subprocess.CompletedProcess[str]:
     root = Path(__file__).resolve().parents[1]
     return subprocess.run(
-        [sys.executable, "-m", "pytest", str(suite), "-v", "-p", "no:cacheprovider",
-         "-o", "addopts=", "--rootdir", str(suite.parent), "--timeout", "120", *select],
-        capture_output=True, text=True, timeout=900, cwd=suite.parent,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            str(suite),
+            "-v",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            "--rootdir",
+            str(suite.parent),
+            "--timeout",
+            "120",
+            *select,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=suite.parent,
         env={
             **os.environ,
             "ACCELERATE_NUM_PROCESSES": "2",  # its multi-process cases skip below 2

@@ -56,15 +56,22 @@ def test_the_variant_differs_from_the_installed_script_only_in_those_imports(scr
 @pytest.mark.timeout(900)  # two variants, each up to run_one's timeout and a retry
 @pytest.mark.parametrize("case", suite.cases(), ids=suite.case_id)
 def test_each_case_accelerate_passes_passes_with_ours(
-    variants: dict[tuple[str, str], Path], case: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    variants: dict[tuple[str, str], Path],
+    case: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     monkeypatch.chdir(tmp_path)  # process_execution_check writes a file in the working folder
     script, call = case.split(":", 1)
     outcomes: list[suite.Outcome] = variants[("outcomes", "")]  # type: ignore[assignment]
     setup = suite.SETUP[script]
     # accelerate's join on CPU ranks waits forever: its hang needs a short wait only.
-    theirs = suite.run_one(variants[(script, "theirs")], call, setup=setup,
-                           timeout=suite.THEIR_HANG_TIMEOUT if case in suite.THEY_HANG else 150)
+    theirs = suite.run_one(
+        variants[(script, "theirs")],
+        call,
+        setup=setup,
+        timeout=suite.THEIR_HANG_TIMEOUT if case in suite.THEY_HANG else 150,
+    )
     ours = suite.run_one(variants[(script, "ours")], call, setup=setup)
     outcomes += [
         suite.Outcome(case, "theirs", theirs.passed, theirs.error),

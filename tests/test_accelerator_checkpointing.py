@@ -35,15 +35,15 @@ class Counter:
         self.count = state["count"]
 
 
-def build(
-    accelerator: Accelerator, seed: int = 0
-) -> tuple[torch.nn.Module, Any, DataLoader, Any]:
+def build(accelerator: Accelerator, seed: int = 0) -> tuple[torch.nn.Module, Any, DataLoader, Any]:
     set_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
     generator = torch.Generator().manual_seed(7)
-    data = TensorDataset(torch.randn(22, 3, generator=generator), torch.randn(22, 1, generator=generator))
+    data = TensorDataset(
+        torch.randn(22, 3, generator=generator), torch.randn(22, 1, generator=generator)
+    )
     loader = DataLoader(data, batch_size=4, shuffle=True)
     return accelerator.prepare(model, optimizer, loader, scheduler)  # type: ignore[no-any-return]
 
@@ -59,7 +59,9 @@ def train(
 ) -> dict[str, torch.Tensor]:
     model, optimizer, loader, scheduler = parts
     for epoch in epochs:
-        active = accelerator.skip_first_batches(loader, skip) if skip and epoch == epochs[0] else loader
+        active = (
+            accelerator.skip_first_batches(loader, skip) if skip and epoch == epochs[0] else loader
+        )
         for i, (x, y) in enumerate(active, start=skip if epoch == epochs[0] else 0):
             with accelerator.accumulate(model):
                 loss = torch.nn.functional.mse_loss(model(x), y)
@@ -91,7 +93,9 @@ def test_a_run_stopped_mid_epoch_and_resumed_ends_with_the_uninterrupted_weights
         torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7)
 
 
-def test_state_restores_model_optimizer_scheduler_rng_and_registered_objects(tmp_path: Path) -> None:
+def test_state_restores_model_optimizer_scheduler_rng_and_registered_objects(
+    tmp_path: Path,
+) -> None:
     accelerator = Accelerator(mixed_precision="fp16")
     model, optimizer, loader, scheduler = build(accelerator)
     counter = Counter()

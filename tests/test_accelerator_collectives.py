@@ -22,7 +22,13 @@ pytestmark = pytest.mark.usefixtures("plain_process")
 
 def on_two_ranks(function: Any, *args: Any, **kwargs: Any) -> Any:
     return notebook_launcher(
-        function, args=args, num_processes=2, hardware="cpu", output="none", return_all=True, **kwargs
+        function,
+        args=args,
+        num_processes=2,
+        hardware="cpu",
+        output="none",
+        return_all=True,
+        **kwargs,
     )
 
 
@@ -48,7 +54,9 @@ def gather_a_dict_with_a_number() -> Any:
 
 
 def test_reduce_of_a_python_number_raises_instead_of_returning_the_ranks_own_value() -> None:
-    with pytest.raises(TypeError, match=r"reduce takes tensors.*type float \(1\.0\)|type float \(2\.0\)"):
+    with pytest.raises(
+        TypeError, match=r"reduce takes tensors.*type float \(1\.0\)|type float \(2\.0\)"
+    ):
         on_two_ranks(reduce_a_python_number)
 
 
@@ -80,14 +88,18 @@ def gather_objects() -> dict[str, Any]:
     return results
 
 
-def test_gather_object_concatenates_tuples_as_accelerate_and_refuses_what_it_would_iterate() -> None:
+def test_gather_object_concatenates_tuples_as_accelerate_and_refuses_what_it_would_iterate() -> (
+    None
+):
     results = on_two_ranks(gather_objects)
     for got in results:
         assert got["tuple"] == [0, "x", 1, "x"]
         assert got["list"] == [0, 1]
         assert got["for_metrics"] == ["rank0", "rank1"]
         for name, kind in (("dict", "dict"), ("int", "int"), ("str", "str")):
-            assert "gather_object takes a list or tuple of picklable objects on each rank" in got[name]
+            assert (
+                "gather_object takes a list or tuple of picklable objects on each rank" in got[name]
+            )
             assert f"value of type {kind}" in got[name]
             assert "gather_object([obj])" in got[name]
 

@@ -202,7 +202,8 @@ def test_a_custom_tracker_receives_config_and_values() -> None:
 
 def test_an_unknown_tracker_name_is_an_error_listing_the_known_ones() -> None:
     with pytest.raises(
-        TrackerError, match=r"log_with='neptunium' is not a tracker this core knows; choose from 'tensorboard'"
+        TrackerError,
+        match=r"log_with='neptunium' is not a tracker this core knows; choose from 'tensorboard'",
     ):
         Accelerator(log_with="neptunium")
 
@@ -220,5 +221,7 @@ def test_a_tracker_whose_package_is_missing_is_an_error_naming_it() -> None:
 def test_tensorboard_without_a_folder_is_an_error_naming_project_dir() -> None:
     pytest.importorskip("tensorboard")
     accelerator = Accelerator(log_with="tensorboard")
-    with pytest.raises(TrackerError, match=r"no logging directory is set; pass Accelerator\(project_dir=...\)"):
+    with pytest.raises(
+        TrackerError, match=r"no logging directory is set; pass Accelerator\(project_dir=...\)"
+    ):
         accelerator.init_trackers("run")

@@ -209,7 +209,9 @@ def test_dispatching_a_loader_without_batch_size_is_an_error() -> None:
         ShardingError,
         match=r"dispatch_batches=True splits the loader's batches between the ranks, but this DataLoader has batch_size=None",
     ):
-        prepare(DataLoader(numbers(), batch_size=None), DataLoaderConfiguration(dispatch_batches=True))
+        prepare(
+            DataLoader(numbers(), batch_size=None), DataLoaderConfiguration(dispatch_batches=True)
+        )
 
 
 def test_a_loader_without_batch_size_cannot_be_sharded() -> None:

@@ -81,6 +81,7 @@ def fp8_on_cpu() -> None:
 
 def test_a_precision_a_cpu_rank_cannot_run_fails_the_launch_with_the_reason() -> None:
     with pytest.raises(
-        ValueError, match=r"asks for 'fp8', which cannot run here: fp8 needs a Hopper-class NVIDIA GPU"
+        ValueError,
+        match=r"asks for 'fp8', which cannot run here: fp8 needs a Hopper-class NVIDIA GPU",
     ):
         notebook_launcher(fp8_on_cpu, num_processes=2)

@@ -67,7 +67,11 @@ def test_save_model_writes_safetensors_split_by_size_with_an_index(tmp_path: Pat
     for shard in shards:
         merged.update(load_file(tmp_path / "sharded" / shard))
     assert set(index["weight_map"]) == set(merged) == set(single)
-    assert all(merged[k].numel() * merged[k].element_size() <= 400 or len(load_file(tmp_path / "sharded" / index["weight_map"][k])) == 1 for k in merged)
+    assert all(
+        merged[k].numel() * merged[k].element_size() <= 400
+        or len(load_file(tmp_path / "sharded" / index["weight_map"][k])) == 1
+        for k in merged
+    )
     bin_state = torch.load(tmp_path / "bin" / "pytorch_model.bin")
     assert set(bin_state) == set(single)
 
@@ -76,7 +80,9 @@ def test_save_model_refuses_a_size_it_cannot_read(tmp_path: Path) -> None:
     from notebook_launcher.accelerator import Accelerator, AcceleratorError
 
     acc = Accelerator()
-    with pytest.raises(AcceleratorError, match=r"max_shard_size='ten' is not a size; pass a number of bytes"):
+    with pytest.raises(
+        AcceleratorError, match=r"max_shard_size='ten' is not a size; pass a number of bytes"
+    ):
         acc.save_model(torch.nn.Linear(2, 2), tmp_path, max_shard_size="ten")
     (tmp_path / "file").write_text("")
     with pytest.raises(Exception, match=r"that is a file; pass a folder"):
@@ -90,7 +96,9 @@ def test_free_memory_forgets_prepared_objects_and_returns_nones() -> None:
 
     acc = Accelerator()
     model = torch.nn.Linear(2, 2)
-    model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(list(range(4)), batch_size=2))
+    model, opt, loader = acc.prepare(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(list(range(4)), batch_size=2)
+    )
     assert acc._models and acc._optimizers and acc._dataloaders
     model, opt, loader = acc.free_memory(model, opt, loader)
     assert (model, opt, loader) == (None, None, None)
@@ -233,10 +241,17 @@ def stateful_resume(folder: str) -> dict[str, Any]:
     resumed = [b.tolist() for b in loader]
     acc.load_state(folder)
     resumed_from_folder = [b.tolist() for b in loader]
-    return {"rest": rest, "resumed": resumed, "from_folder": resumed_from_folder, "next": len(list(loader))}
+    return {
+        "rest": rest,
+        "resumed": resumed,
+        "from_folder": resumed_from_folder,
+        "next": len(list(loader)),
+    }
 
 
-def test_a_stateful_loader_continues_its_epoch_after_load_state_dict_and_load_state(tmp_path: Path) -> None:
+def test_a_stateful_loader_continues_its_epoch_after_load_state_dict_and_load_state(
+    tmp_path: Path,
+) -> None:
     for got in on_two_ranks(stateful_resume, str(tmp_path / "ckpt")):
         assert len(got["rest"]) == 10 - 3
         assert got["resumed"] == got["rest"]
@@ -257,7 +272,9 @@ def profile_and_copy(folder: str) -> dict[str, Any]:
         torch.nn.functional.linear(torch.randn(4, 4), torch.randn(4, 4))
     names = {e.key for e in prof.key_averages()}
     state = PartialState()
-    copied = copy_tensor_to_devices(torch.tensor([1, 2, 3], dtype=torch.int32) if state.is_main_process else None)
+    copied = copy_tensor_to_devices(
+        torch.tensor([1, 2, 3], dtype=torch.int32) if state.is_main_process else None
+    )
     return {
         "linear": any("linear" in n for n in names),
         "copied": (copied.tolist(), str(copied.dtype)),
@@ -273,7 +290,10 @@ def test_profile_writes_a_trace_per_rank_and_copy_tensor_to_devices_sends_rank0s
         assert got["linear"]
         assert got["copied"] == ([1, 2, 3], "torch.int32")
         assert got["state"] == (2, rank, "MULTI_CPU")
-    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == ["trace_rank0.json", "trace_rank1.json"]
+    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [
+        "trace_rank0.json",
+        "trace_rank1.json",
+    ]
     assert "traceEvents" in json.loads((tmp_path / "traces" / "trace_rank0.json").read_text())
 
 

@@ -43,7 +43,9 @@ def resumable_run(folder: str, mode: str) -> dict[str, torch.Tensor]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.8)
     generator = torch.Generator().manual_seed(7)
-    data = TensorDataset(torch.randn(37, 3, generator=generator), torch.randn(37, 1, generator=generator))
+    data = TensorDataset(
+        torch.randn(37, 3, generator=generator), torch.randn(37, 1, generator=generator)
+    )
     loader = DataLoader(data, batch_size=3, shuffle=True)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     first_epoch, skip = 0, 0
@@ -152,7 +154,9 @@ def gather_mismatched() -> None:
     accelerator.gather(torch.zeros(accelerator.process_index + 1, 2))
 
 
-def test_gathering_tensors_of_different_shapes_is_a_clear_error_naming_pad_across_processes() -> None:
+def test_gathering_tensors_of_different_shapes_is_a_clear_error_naming_pad_across_processes() -> (
+    None
+):
     with pytest.raises(
         CollectiveError,
         match=r"gather needs tensors of the same shape and dtype on every rank, but the ranks passed different ones \(rank 0: \[1, 2\]; rank 1: \[2, 2\]\)\. Make them equal first, e\.g\. accelerator\.pad_across_processes",
@@ -185,7 +189,9 @@ def dispatched(split_batches: bool) -> dict[str, Any]:
     from notebook_launcher.accelerator import Accelerator, DataLoaderConfiguration
 
     accelerator = Accelerator(
-        dataloader_config=DataLoaderConfiguration(dispatch_batches=True, split_batches=split_batches)
+        dataloader_config=DataLoaderConfiguration(
+            dispatch_batches=True, split_batches=split_batches
+        )
     )
     loader = accelerator.prepare(DataLoader(list(range(11)), batch_size=4 if split_batches else 2))
     mine, metrics = [], []
@@ -196,10 +202,16 @@ def dispatched(split_batches: bool) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("split_batches", [False, True])
-def test_dispatched_batches_give_each_rank_its_part_in_the_global_order(split_batches: bool) -> None:
+def test_dispatched_batches_give_each_rank_its_part_in_the_global_order(
+    split_batches: bool,
+) -> None:
     rank0, rank1 = launch(dispatched, split_batches)
     assert rank0["mine"] == [[0, 1], [4, 5], [8, 9]]
-    assert rank1["mine"] == [[2, 3], [6, 7], [10, 0]]  # the short last step is filled from the start
+    assert rank1["mine"] == [
+        [2, 3],
+        [6, 7],
+        [10, 0],
+    ]  # the short last step is filled from the start
     assert rank0["metrics"] == rank1["metrics"] == list(range(11))
     assert rank0["len"] == rank1["len"] == 3
 
@@ -211,7 +223,9 @@ def fp16_in_rank() -> list[str]:
     accelerator = Accelerator(mixed_precision="fp16")
     model = accelerator.prepare(torch.nn.Sequential(torch.nn.Linear(4, 4)))
     seen: list[str] = []
-    accelerator.unwrap_model(model)[0].register_forward_hook(lambda m, i, o: seen.append(str(o.dtype)))
+    accelerator.unwrap_model(model)[0].register_forward_hook(
+        lambda m, i, o: seen.append(str(o.dtype))
+    )
     accelerator.backward(model(torch.randn(2, 4)).sum())
     return [*seen, type(accelerator.scaler).__name__]
 

@@ -44,7 +44,9 @@ def test_wandb_offline_and_mlflow_record_the_main_process_values(
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     monkeypatch.chdir(tmp_path)
-    notebook_launcher(train_and_log, args=(str(tmp_path),), num_processes=2, hardware="cpu", output="none")
+    notebook_launcher(
+        train_and_log, args=(str(tmp_path),), num_processes=2, hardware="cpu", output="none"
+    )
 
     # W&B: one offline run (the main process's), its history and config.
     run_files = list((tmp_path / "wandb-runs").glob("wandb/offline-run-*/run-*.wandb"))
@@ -55,7 +57,10 @@ def test_wandb_offline_and_mlflow_record_the_main_process_values(
         kind = record.WhichOneof("record_type")
         if kind == "history":
             history.append(
-                {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                {
+                    i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                    for i in record.history.item
+                }
             )
         elif kind == "config":
             config.update({i.key: json.loads(i.value_json) for i in record.config.update})
@@ -99,5 +104,9 @@ def test_mlflow_refusing_a_folder_store_says_how_to_allow_it(
         r"runs in that folder, or set MLFLOW_TRACKING_URI",
     ):
         notebook_launcher(
-            mlflow_in_a_folder, args=(str(tmp_path / "runs"),), num_processes=2, hardware="cpu", output="none"
+            mlflow_in_a_folder,
+            args=(str(tmp_path / "runs"),),
+            num_processes=2,
+            hardware="cpu",
+            output="none",
         )

@@ -61,9 +61,9 @@ def test_each_interface_has_the_fields_of_its_typeddict(interface: str) -> None:
 def test_the_typeddicts_have_the_keys_the_server_really_sends() -> None:
     report = hardware.detect()
     assert set(report.to_dict()) == set(handlers.HardwareReportJSON.__annotations__)
-    assert set(report.to_dict()["gpus"][0] if report.gpus else handlers.GpuInfoJSON.__annotations__) == set(
-        handlers.GpuInfoJSON.__annotations__
-    )
+    assert set(
+        report.to_dict()["gpus"][0] if report.gpus else handlers.GpuInfoJSON.__annotations__
+    ) == set(handlers.GpuInfoJSON.__annotations__)
     offered = rules.choices(report)
     assert set(offered) == set(handlers.ChoicesJSON.__annotations__)
     assert set(offered["num_processes"]) == set(handlers.NumProcessesChoice.__annotations__)

@@ -80,7 +80,11 @@ class ToyBackend(Backend):
     options = (BackendOption("toy_niceness", "how nice the ranks are (0-19)", _niceness, "N"),)
 
     def start(
-        self, plan: Any, specs: Sequence[Any], ends: Sequence[RankEnds], payload: Any,
+        self,
+        plan: Any,
+        specs: Sequence[Any],
+        ends: Sequence[RankEnds],
+        payload: Any,
         target: RankTarget,
     ) -> list[RankControl]:
         controls: list[RankControl] = []
@@ -118,19 +122,28 @@ def fail_on_rank_1() -> None:
 def test_a_registered_backend_runs_ranks_with_its_own_option(toy, capfd):
     base = os.nice(0)
     values = notebook_launcher(
-        where_and_how_nice, (base,), num_processes=2, backend="toy", toy_niceness=3,
-        return_all=True, dashboard=False,
+        where_and_how_nice,
+        (base,),
+        num_processes=2,
+        backend="toy",
+        toy_niceness=3,
+        return_all=True,
+        dashboard=False,
     )
     assert values == [(0, 3, os.getpid()), (1, 3, os.getpid())]
     out = capfd.readouterr().out
     assert "rank 0 of 2" in out and "rank 1 of 2" in out
     with pytest.raises(RankFailedError, match=r"rank 1") as caught:
-        notebook_launcher(fail_on_rank_1, num_processes=2, backend="toy", dashboard=False, output="none")
+        notebook_launcher(
+            fail_on_rank_1, num_processes=2, backend="toy", dashboard=False, output="none"
+        )
     assert isinstance(caught.value, ValueError) and "rank 1 gives up" in str(caught.value)
 
 
 def test_a_backends_option_is_checked_by_it_and_refused_elsewhere(toy):
-    with pytest.raises(LaunchConfigError, match=r"toy_niceness must be a whole number from 0 to 19; got 'high'"):
+    with pytest.raises(
+        LaunchConfigError, match=r"toy_niceness must be a whole number from 0 to 19; got 'high'"
+    ):
         notebook_launcher(print, backend="toy", toy_niceness="high")
     with pytest.raises(
         LaunchConfigError,
@@ -145,7 +158,10 @@ def test_a_backends_option_is_checked_by_it_and_refused_elsewhere(toy):
         r"The backends' own options are: ray_address \(backend='ray'\); toy_niceness \(backend='toy'\)\.",
     ):
         notebook_launcher(print, num_proceses=2)
-    with pytest.raises(LaunchConfigError, match=r"backend='nope' is not known; use one of 'auto', 'local', 'xla', 'ray', 'toy'"):
+    with pytest.raises(
+        LaunchConfigError,
+        match=r"backend='nope' is not known; use one of 'auto', 'local', 'xla', 'ray', 'toy'",
+    ):
         notebook_launcher(print, backend="nope")
 
 
@@ -153,26 +169,36 @@ def test_names_that_could_not_be_used_are_refused_at_registration(toy):
     class Other(ToyBackend):
         pass
 
-    with pytest.raises(LaunchConfigError, match=r"a backend named 'toy' is registered already \(ToyBackend\); choose another name"):
+    with pytest.raises(
+        LaunchConfigError,
+        match=r"a backend named 'toy' is registered already \(ToyBackend\); choose another name",
+    ):
         backends.register(Other())
 
     class Auto(ToyBackend):
         name = "auto"
 
-    with pytest.raises(LaunchConfigError, match=r"a backend's name must be a lowercase word other than 'auto'"):
+    with pytest.raises(
+        LaunchConfigError, match=r"a backend's name must be a lowercase word other than 'auto'"
+    ):
         backends.register(Auto())
 
     class Dashed(ToyBackend):
         name = "dashed"
         options = (BackendOption("toy-niceness", "dashes"),)
 
-    with pytest.raises(LaunchConfigError, match=r"the 'dashed' backend's option 'toy-niceness' is not a Python identifier"):
+    with pytest.raises(
+        LaunchConfigError,
+        match=r"the 'dashed' backend's option 'toy-niceness' is not a Python identifier",
+    ):
         backends.register(Dashed())
     assert "dashed" not in backends.names()
 
 
 def test_the_command_line_offers_the_backend_and_its_option(toy):
-    arguments = build_parser().parse_args(["run", "train.py", "--backend", "toy", "--toy-niceness", "2"])
+    arguments = build_parser().parse_args(
+        ["run", "train.py", "--backend", "toy", "--toy-niceness", "2"]
+    )
     assert arguments.backend == "toy" and _backend_options(arguments) == {"toy_niceness": "2"}
     assert "with --backend toy: how nice the ranks are (0-19)" in " ".join(
         build_parser()._subparsers._group_actions[0].choices["run"].format_help().split()  # type: ignore[union-attr]
@@ -180,13 +206,15 @@ def test_the_command_line_offers_the_backend_and_its_option(toy):
 
 
 def test_an_installed_package_adds_a_backend_through_its_entry_point(tmp_path, monkeypatch):
-    (tmp_path / "toy_backend_pkg.py").write_text(textwrap.dedent("""
+    (tmp_path / "toy_backend_pkg.py").write_text(
+        textwrap.dedent("""
         from notebook_launcher.launcher.backends.local import LocalBackend
 
         class Forks(LocalBackend):
             name = "forks"
             description = "forked processes, packaged"
-    """))
+    """)
+    )
     dist = tmp_path / "toy_backend_pkg-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-backend-pkg\nVersion: 1.0\n")

@@ -32,8 +32,16 @@ from tests.big_model_support import TinyLM
 ROOT = Path(__file__).resolve().parent.parent
 IDS = torch.tensor([[1, 5, 7, 2, 9], [3, 3, 8, 0, 4]])
 # Everything but the embeddings and the first two blocks goes to disk.
-CPU_AND_DISK = {"embed": "cpu", "blocks.0": "cpu", "blocks.1": "cpu", "blocks.2": "disk",
-                "blocks.3": "disk", "blocks.4": "disk", "blocks.5": "disk", "head": "disk"}
+CPU_AND_DISK = {
+    "embed": "cpu",
+    "blocks.0": "cpu",
+    "blocks.1": "cpu",
+    "blocks.2": "disk",
+    "blocks.3": "disk",
+    "blocks.4": "disk",
+    "blocks.5": "disk",
+    "head": "disk",
+}
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +65,24 @@ def empty_model() -> TinyLM:
         return TinyLM().eval()
 
 
-@pytest.mark.parametrize("layout", ["one.safetensors", "weights.bin", "sharded",
-                                    "sharded/model.safetensors.index.json", "sharded-bin"])
-def test_every_checkpoint_layout_loads_across_cpu_and_disk_with_equal_outputs(reference, tmp_path, layout):
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "one.safetensors",
+        "weights.bin",
+        "sharded",
+        "sharded/model.safetensors.index.json",
+        "sharded-bin",
+    ],
+)
+def test_every_checkpoint_layout_loads_across_cpu_and_disk_with_equal_outputs(
+    reference, tmp_path, layout
+):
     model = empty_model()
     assert model.embed.weight.device.type == "meta" and model.scale.device.type == "cpu"
-    bm.load_checkpoint_and_dispatch(model, reference["root"] / layout, device_map=CPU_AND_DISK,
-                                    offload_folder=tmp_path)
+    bm.load_checkpoint_and_dispatch(
+        model, reference["root"] / layout, device_map=CPU_AND_DISK, offload_folder=tmp_path
+    )
     assert model.blocks[0].up.weight.device.type == "cpu"
     assert model.blocks[3].up.weight.device.type == "meta"  # on disk until its forward
     with torch.no_grad():
@@ -77,16 +96,21 @@ def test_every_checkpoint_layout_loads_across_cpu_and_disk_with_equal_outputs(re
 
 def test_tied_weights_stay_one_tensor_on_cpu_and_are_stored_once_on_disk(reference, tmp_path):
     model = empty_model()
-    bm.load_checkpoint_and_dispatch(model, reference["root"] / "sharded", device_map=CPU_AND_DISK,
-                                    offload_folder=tmp_path)
+    bm.load_checkpoint_and_dispatch(
+        model, reference["root"] / "sharded", device_map=CPU_AND_DISK, offload_folder=tmp_path
+    )
     assert model.head.weight is model.embed.weight and model.embed.weight.device.type == "cpu"
     index = json.loads((tmp_path / "offload-index.json").read_text())
     assert "head.weight" not in index and "embed.weight" not in index  # borrowed from the CPU
 
     on_disk = empty_model()
     tied_to_disk = {"": "cpu", "embed": "disk", "head": "disk"}
-    bm.load_checkpoint_and_dispatch(on_disk, reference["root"] / "sharded", device_map=tied_to_disk,
-                                    offload_folder=tmp_path / "both")
+    bm.load_checkpoint_and_dispatch(
+        on_disk,
+        reference["root"] / "sharded",
+        device_map=tied_to_disk,
+        offload_folder=tmp_path / "both",
+    )
     index = json.loads((tmp_path / "both" / "offload-index.json").read_text())
     assert list(index) == ["embed.weight"]  # once, under its first name
     assert on_disk.head.weight is on_disk.embed.weight
@@ -156,7 +180,9 @@ def test_skip_keys_are_passed_on_where_they_are_and_other_inputs_are_moved():
 
     module = Looks()
     # The meta device stands in for a GPU: moving a tensor there is real, and costs nothing.
-    block = Block("", module, torch.device("meta"), moves_inputs=True, skip_keys=frozenset({"cache"}))
+    block = Block(
+        "", module, torch.device("meta"), moves_inputs=True, skip_keys=frozenset({"cache"})
+    )
     runner = Runner(module, [block], OffloadState(), {}, io_same_device=False)
     module(torch.ones(2), cache=torch.ones(2), mask=torch.ones(2))
     runner.remove()
@@ -169,9 +195,16 @@ def test_accelerates_arguments_that_cannot_apply_say_why(reference, tmp_path):
     with pytest.raises(TypeError, match=r"skip_keys=3 must be the name of a keyword argument"):
         bm.dispatch_model(TinyLM(), {"": "cpu"}, skip_keys=3)
     model = empty_model()  # those that change nothing here are accepted
-    bm.load_checkpoint_and_dispatch(model, reference["root"] / "sharded", device_map=CPU_AND_DISK,
-                                    offload_folder=tmp_path, offload_state_dict=True, force_hooks=True,
-                                    preload_module_classes=["Block"], skip_keys=["cache"])
+    bm.load_checkpoint_and_dispatch(
+        model,
+        reference["root"] / "sharded",
+        device_map=CPU_AND_DISK,
+        offload_folder=tmp_path,
+        offload_state_dict=True,
+        force_hooks=True,
+        preload_module_classes=["Block"],
+        skip_keys=["cache"],
+    )
     assert torch.equal(model(IDS), reference["expected"])
 
 
@@ -195,10 +228,21 @@ def test_auto_map_fills_devices_in_order_and_keeps_no_split_blocks_whole(monkeyp
     monkeypatch.setattr(device_map_module, "cuda_device_count", lambda: 2)
     model = empty_model()
     block = 4 * (32 * 64 * 2 + 64 + 32 + 64)  # one Block's bytes
-    plan = bm.infer_auto_device_map(model, max_memory={0: 2 * block + 7000, 1: 2 * block, "cpu": block},
-                                    no_split_module_classes=["Block"])
-    assert plan == {"embed": "cuda:0", "blocks.0": "cuda:0", "blocks.1": "cuda:1", "blocks.2": "cuda:1",
-                    "blocks.3": "cpu", "blocks.4": "disk", "blocks.5": "disk", "head": "disk"}
+    plan = bm.infer_auto_device_map(
+        model,
+        max_memory={0: 2 * block + 7000, 1: 2 * block, "cpu": block},
+        no_split_module_classes=["Block"],
+    )
+    assert plan == {
+        "embed": "cuda:0",
+        "blocks.0": "cuda:0",
+        "blocks.1": "cuda:1",
+        "blocks.2": "cuda:1",
+        "blocks.3": "cpu",
+        "blocks.4": "disk",
+        "blocks.5": "disk",
+        "head": "disk",
+    }
     # Room was kept on cuda:0 for the largest offloaded block: only one block fits beside the embeddings.
     assert plan.sizes["blocks.0"] == block and plan.budgets["cpu"] == block
     balanced = bm.get_balanced_memory(model, {0: "1GB", 1: "1GB", "cpu": "1GB"}, ["Block"])
@@ -225,9 +269,14 @@ def test_the_plan_draws_itself_with_every_name_escaped(capsys):
 
 def test_show_device_map_of_a_dispatched_model_prints_its_plan(reference, tmp_path, capsys):
     model = empty_model()
-    bm.load_checkpoint_and_dispatch(model, reference["root"] / "sharded", device_map="auto",
-                                    max_memory={"cpu": "20KB"}, offload_folder=tmp_path,
-                                    no_split_module_classes=["Block"])
+    bm.load_checkpoint_and_dispatch(
+        model,
+        reference["root"] / "sharded",
+        device_map="auto",
+        max_memory={"cpu": "20KB"},
+        offload_folder=tmp_path,
+        no_split_module_classes=["Block"],
+    )
     bm.show_device_map(model)
     out = capsys.readouterr().out
     assert "cpu " in out and "disk" in out and "of 19.5 KiB" in out and "blocks*" in out
@@ -239,62 +288,108 @@ def test_show_device_map_of_a_dispatched_model_prints_its_plan(reference, tmp_pa
 
 def test_disk_offload_without_a_folder_is_refused(reference):
     with pytest.raises(OffloadFolderError, match="no offload_folder was given"):
-        bm.load_checkpoint_and_dispatch(empty_model(), reference["root"] / "sharded", device_map=CPU_AND_DISK)
+        bm.load_checkpoint_and_dispatch(
+            empty_model(), reference["root"] / "sharded", device_map=CPU_AND_DISK
+        )
 
 
 def test_an_offload_folder_that_cannot_be_written_is_named(reference, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    with pytest.raises(OffloadFolderError, match=r"offload_folder='.*a-file/sub' cannot be written"):
-        bm.load_checkpoint_and_dispatch(empty_model(), reference["root"] / "sharded",
-                                        device_map=CPU_AND_DISK, offload_folder=blocker / "sub")
+    with pytest.raises(
+        OffloadFolderError, match=r"offload_folder='.*a-file/sub' cannot be written"
+    ):
+        bm.load_checkpoint_and_dispatch(
+            empty_model(),
+            reference["root"] / "sharded",
+            device_map=CPU_AND_DISK,
+            offload_folder=blocker / "sub",
+        )
 
 
 def test_a_missing_weight_is_never_left_on_meta(reference, tmp_path):
     state = reference["model"].state_dict()
     del state["blocks.3.up.weight"]
-    save_file({k: v for k, v in state.items() if k != "head.weight"}, tmp_path / "partial.safetensors")
-    with pytest.raises(CheckpointMismatchError,
-                       match=r"has no value for 'blocks.3.up.weight' of TinyLM, which would be left on the meta device"):
-        bm.load_checkpoint_and_dispatch(empty_model(), tmp_path / "partial.safetensors",
-                                        device_map=CPU_AND_DISK, offload_folder=tmp_path / "off")
-    with pytest.raises(CheckpointMismatchError, match=r"'embed.weight', .* of TinyLM are on the meta device \(no data\): load the weights first"):
+    save_file(
+        {k: v for k, v in state.items() if k != "head.weight"}, tmp_path / "partial.safetensors"
+    )
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"has no value for 'blocks.3.up.weight' of TinyLM, which would be left on the meta device",
+    ):
+        bm.load_checkpoint_and_dispatch(
+            empty_model(),
+            tmp_path / "partial.safetensors",
+            device_map=CPU_AND_DISK,
+            offload_folder=tmp_path / "off",
+        )
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"'embed.weight', .* of TinyLM are on the meta device \(no data\): load the weights first",
+    ):
         bm.dispatch_model(empty_model(), {"": "cpu"})
 
 
 def test_an_unexpected_key_and_a_shape_mismatch_are_named(reference, tmp_path):
     state = {k: v for k, v in reference["model"].state_dict().items() if k != "head.weight"}
     save_file({**state, "extra.weight": torch.zeros(2)}, tmp_path / "extra.safetensors")
-    with pytest.raises(CheckpointMismatchError, match=r"holds 'extra.weight', which TinyLM does not have"):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"holds 'extra.weight', which TinyLM does not have"
+    ):
         bm.load_checkpoint_in_model(empty_model(), tmp_path / "extra.safetensors")
     with pytest.warns(UserWarning, match="'extra.weight'"):
         bm.load_checkpoint_in_model(empty_model(), tmp_path / "extra.safetensors", strict=False)
     save_file({**state, "blocks.1.up.bias": torch.zeros(3)}, tmp_path / "shape.safetensors")
-    with pytest.raises(CheckpointMismatchError, match=r"'blocks.1.up.bias' has shape \[3\] .* but \[64\] in the model"):
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"'blocks.1.up.bias' has shape \[3\] .* but \[64\] in the model",
+    ):
         bm.load_checkpoint_in_model(empty_model(), tmp_path / "shape.safetensors")
 
 
 def test_a_device_map_naming_a_missing_module_or_leaving_one_out_is_refused(reference):
-    with pytest.raises(DeviceMapError, match=r"names 'block.2', which is neither a module nor a weight of TinyLM\. Did you mean 'blocks.2'"):
-        bm.load_checkpoint_in_model(empty_model(), reference["root"] / "sharded", device_map={"": "cpu", "block.2": "cpu"})
+    with pytest.raises(
+        DeviceMapError,
+        match=r"names 'block.2', which is neither a module nor a weight of TinyLM\. Did you mean 'blocks.2'",
+    ):
+        bm.load_checkpoint_in_model(
+            empty_model(), reference["root"] / "sharded", device_map={"": "cpu", "block.2": "cpu"}
+        )
     partial = {k: v for k, v in CPU_AND_DISK.items() if k != "blocks.4"}
-    with pytest.raises(DeviceMapError, match=r"leaves out 'blocks.4.norm.weight', 'blocks.4.norm.bias'"):
-        bm.load_checkpoint_in_model(empty_model(), reference["root"] / "sharded", device_map=partial)
+    with pytest.raises(
+        DeviceMapError, match=r"leaves out 'blocks.4.norm.weight', 'blocks.4.norm.bias'"
+    ):
+        bm.load_checkpoint_in_model(
+            empty_model(), reference["root"] / "sharded", device_map=partial
+        )
 
 
 def test_a_device_the_machine_lacks_is_named(monkeypatch, reference):
     monkeypatch.setattr(device_map_module, "cuda_device_count", lambda: 2)
-    with pytest.raises(DeviceMapError, match=r"names device 'cuda:3', but this machine has 2 GPUs \(cuda:0 to cuda:1\)"):
+    with pytest.raises(
+        DeviceMapError,
+        match=r"names device 'cuda:3', but this machine has 2 GPUs \(cuda:0 to cuda:1\)",
+    ):
         bm.dispatch_model(TinyLM(), {"": "cuda:3"})
     monkeypatch.setattr(device_map_module, "cuda_device_count", lambda: 0)
-    with pytest.raises(DeviceMapError, match=r"max_memory names device 'cuda:0', but this machine has no GPU"):
+    with pytest.raises(
+        DeviceMapError, match=r"max_memory names device 'cuda:0', but this machine has no GPU"
+    ):
         bm.infer_auto_device_map(TinyLM(), max_memory={0: "1GB"})
 
 
 def test_no_device_with_room_for_the_largest_unsplittable_block(reference):
-    with pytest.raises(DeviceMapError, match=r"No device has room for the largest block that cannot be split, 'blocks.5' \(16.6 KiB\)"):
-        bm.load_checkpoint_and_dispatch(empty_model(), reference["root"] / "sharded", device_map="auto",
-                                        max_memory={"cpu": "10KB"}, no_split_module_classes=["Block"])
+    with pytest.raises(
+        DeviceMapError,
+        match=r"No device has room for the largest block that cannot be split, 'blocks.5' \(16.6 KiB\)",
+    ):
+        bm.load_checkpoint_and_dispatch(
+            empty_model(),
+            reference["root"] / "sharded",
+            device_map="auto",
+            max_memory={"cpu": "10KB"},
+            no_split_module_classes=["Block"],
+        )
 
 
 def test_memory_estimate_of_a_plain_module_and_its_errors():
@@ -304,24 +399,44 @@ def test_memory_estimate_of_a_plain_module_and_its_errors():
     assert estimate.num_parameters == params and estimate.parameters == 4 * params
     assert estimate.optimizer_state == 2 * estimate.gradients == 8 * params
     assert estimate.activations_method == "traced" and estimate.activations > 2 * 5 * 50 * 4
-    lora = bm.estimate_memory(model, dtype="bfloat16", lora_rank=4, lora_target_modules=["up"],
-                              world_size=4, sharding="fsdp", example_input=IDS)
+    lora = bm.estimate_memory(
+        model,
+        dtype="bfloat16",
+        lora_rank=4,
+        lora_target_modules=["up"],
+        world_size=4,
+        sharding="fsdp",
+        example_input=IDS,
+    )
     assert lora.trainable_parameters == 6 * 4 * (64 + 32)
-    assert lora.gradients == -(-lora.trainable_parameters * 4 // 4)  # float32 adapters, split over 4 ranks
+    assert lora.gradients == -(
+        -lora.trainable_parameters * 4 // 4
+    )  # float32 adapters, split over 4 ranks
     assert "LoRA rank 4" in str(lora) and "4 ranks (fsdp)" in str(lora)
     with pytest.raises(BigModelError, match=r"sharding='zero3'\): pass 'ddp' or 'fsdp'"):
         bm.estimate_memory(model, sharding="zero3")
-    with pytest.raises(BigModelError, match=r"lora_target_modules=\['q_proj'\]\) matches no module of TinyLM"):
+    with pytest.raises(
+        BigModelError, match=r"lora_target_modules=\['q_proj'\]\) matches no module of TinyLM"
+    ):
         bm.estimate_memory(model, lora_rank=8, lora_target_modules=["q_proj"])
 
 
 def test_the_package_imports_nothing_of_the_launcher_or_the_notebook_side():
-    forbidden = ("notebook_launcher.launcher", "notebook_launcher.session", "notebook_launcher.widgets",
-                 "notebook_launcher.server", "notebook_launcher.api", "ipywidgets")
+    forbidden = (
+        "notebook_launcher.launcher",
+        "notebook_launcher.session",
+        "notebook_launcher.widgets",
+        "notebook_launcher.server",
+        "notebook_launcher.api",
+        "ipywidgets",
+    )
     for path in (ROOT / "notebook_launcher" / "big_modeling").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            )
             assert not [n for n in names if n.startswith(forbidden)], (path.name, names)
 
 
@@ -361,8 +476,13 @@ def test_peak_memory_stays_within_budget_plus_a_shard_and_blocks(tmp_path):
         for layer in layers:
             x = torch.tanh(layer(x))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(tmp_path / "ckpt"), str(tmp_path / "off")],
-                          capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT, str(tmp_path / "ckpt"), str(tmp_path / "off")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["devices"] == ["cpu", "disk"]
@@ -375,8 +495,9 @@ def test_peak_memory_stays_within_budget_plus_a_shard_and_blocks(tmp_path):
 
 def test_disk_blocks_are_read_ahead_on_the_side_thread_into_reused_buffers(reference, tmp_path):
     model = empty_model()
-    bm.load_checkpoint_and_dispatch(model, reference["root"] / "sharded", device_map=CPU_AND_DISK,
-                                    offload_folder=tmp_path)
+    bm.load_checkpoint_and_dispatch(
+        model, reference["root"] / "sharded", device_map=CPU_AND_DISK, offload_folder=tmp_path
+    )
     runner = model._big_model_runner
     store = runner.state.disk
     reads: list[tuple[str, tuple[str, ...]]] = []
@@ -417,12 +538,21 @@ def test_big_model_names_come_from_the_package_too():
 
     assert notebook_launcher.load_checkpoint_and_dispatch is bm.load_checkpoint_and_dispatch
     assert notebook_launcher.estimate_memory is bm.estimate_memory
-    assert {"init_empty_weights", "show_device_map", "cpu_offload"} <= set(notebook_launcher.__all__)
+    assert {"init_empty_weights", "show_device_map", "cpu_offload"} <= set(
+        notebook_launcher.__all__
+    )
 
 
 def test_the_command_line_does_not_import_torch_to_register_estimate_memory():
-    code = ("import sys; from notebook_launcher import cli; cli.build_parser(); "
-            "print('torch' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    code = (
+        "import sys; from notebook_launcher import cli; cli.build_parser(); "
+        "print('torch' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        timeout=120,
+    )
     assert done.stdout.strip() == "False", done.stderr

@@ -22,14 +22,21 @@ pytestmark = pytest.mark.slow(
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict[str, object]]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), TQDM_DISABLE="1")
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "big_model_scripts" / "real_models.py")],
-                          capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "big_model_scripts" / "real_models.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_sharded_save_pretrained_checkpoint_loads_across_cpu_and_disk_with_equal_logits(results, name):
+def test_sharded_save_pretrained_checkpoint_loads_across_cpu_and_disk_with_equal_logits(
+    results, name
+):
     result = results[name]
     assert result["shards"] > 3 and result["devices"] == ["cpu", "disk"]
     assert result["logits_equal"] is True and result["meta_left"] == []
@@ -52,9 +59,19 @@ def test_estimate_memory_command_reads_a_local_config(results):
     command = results["command"]
     figures = command["json"]
     assert command["code"] == 0 and figures["model"] == "LlamaForCausalLM"
-    assert figures["sharding"] == "fsdp" and figures["world_size"] == 2 and figures["lora_rank"] == 4
-    assert figures["lora_target_modules"] == ["q_proj", "v_proj"] and figures["activations_method"] == "traced"
-    assert figures["total"] == sum(figures[k] for k in ("parameters", "gradients", "optimizer_state",
-                                                         "activations", "communication"))
+    assert (
+        figures["sharding"] == "fsdp" and figures["world_size"] == 2 and figures["lora_rank"] == 4
+    )
+    assert (
+        figures["lora_target_modules"] == ["q_proj", "v_proj"]
+        and figures["activations_method"] == "traced"
+    )
+    assert figures["total"] == sum(
+        figures[k]
+        for k in ("parameters", "gradients", "optimizer_state", "activations", "communication")
+    )
     assert command["bad_code"] == 2
-    assert "cannot read a JSON config there" in command["bad_err"] and "missing.json" in command["bad_err"]
+    assert (
+        "cannot read a JSON config there" in command["bad_err"]
+        and "missing.json" in command["bad_err"]
+    )

@@ -78,7 +78,11 @@ def test_another_message_sends_the_waiting_calls_first(pipe, monkeypatch):
     assert reader.poll(60)
     outbox.log(1, {"loss": 0.5})  # within the hour after a batch: it waits
     outbox.send(Progress(1, 2, "epoch"))
-    assert received(reader) == [batch(0, {"loss": 1.0}), batch(1, {"loss": 0.5}), Progress(1, 2, "epoch")]
+    assert received(reader) == [
+        batch(0, {"loss": 1.0}),
+        batch(1, {"loss": 0.5}),
+        Progress(1, 2, "epoch"),
+    ]
 
 
 def test_a_process_the_rank_forks_sends_nothing_and_says_so_once(pipe, monkeypatch, capfd):

@@ -29,7 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def cli(*words: str, timeout: float = 180, **kwargs) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "notebook_launcher", *words],
-        capture_output=True, text=True, timeout=timeout, **kwargs,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
     )
 
 
@@ -43,7 +46,9 @@ def assert_no_process_left(pid_dir: Path) -> None:
     """Ranks write their pid into ``pid_dir``; none of them may still exist."""
     pids = [int(p.read_text()) for p in pid_dir.glob("*.pid")]
     assert pids, "the ranks never started"
-    alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    alive = [
+        pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+    ]
     assert alive == []
 
 
@@ -60,7 +65,13 @@ def test_help_names_both_commands_and_an_example():
 def test_run_help_explains_the_options_and_where_script_arguments_go():
     done = cli("run", "--help")
     assert done.returncode == 0
-    for option in ("--num-processes", "--mixed-precision", "--start-method", "--timeout", "--output"):
+    for option in (
+        "--num-processes",
+        "--mixed-precision",
+        "--start-method",
+        "--timeout",
+        "--output",
+    ):
         assert option in done.stdout
     assert "Arguments after -- are the script's own" in " ".join(done.stdout.split())
 
@@ -76,13 +87,28 @@ def test_run_help_explains_the_options_and_where_script_arguments_go():
         (("run", "{script}", "-n", "two"), "expected a whole number, got 'two'"),
         (("run", "{script}", "--mixed-precision", "fp9"), "invalid choice: 'fp9'"),
         (("run", "{script}", "--timeout", "-1"), "must be more than 0, got -1"),
-        (("run", "{script}", "--epochs", "3"), "unrecognized arguments: --epochs 3; the script's own arguments go after --"),
-        (("run", "{script}", "--mixed-precision", "fp8"), "mixed_precision='fp8' cannot run here: fp8 needs a Hopper-class NVIDIA GPU"),
+        (
+            ("run", "{script}", "--epochs", "3"),
+            "unrecognized arguments: --epochs 3; the script's own arguments go after --",
+        ),
+        (
+            ("run", "{script}", "--mixed-precision", "fp8"),
+            "mixed_precision='fp8' cannot run here: fp8 needs a Hopper-class NVIDIA GPU",
+        ),
         (("env", "--yaml"), "unrecognized arguments: --yaml"),
         (("run", "{script}", "--max-restarts", "-1"), "--max-restarts: must be at least 0, got -1"),
-        (("run", "{script}", "--num-nodes", "2", "--node-rank", "2"), "node_rank=2 but num_nodes=2"),
-        (("run", "{script}", "--rdzv-conf", "join_timeout"), "--rdzv-conf: expected KEY=VALUE pairs separated by commas, got 'join_timeout'"),
-        (("run", "{script}", "--rdzv-conf", "read_timeout=5"), "rdzv_conf has 'read_timeout', which this launcher does not use"),
+        (
+            ("run", "{script}", "--num-nodes", "2", "--node-rank", "2"),
+            "node_rank=2 but num_nodes=2",
+        ),
+        (
+            ("run", "{script}", "--rdzv-conf", "join_timeout"),
+            "--rdzv-conf: expected KEY=VALUE pairs separated by commas, got 'join_timeout'",
+        ),
+        (
+            ("run", "{script}", "--rdzv-conf", "read_timeout=5"),
+            "rdzv_conf has 'read_timeout', which this launcher does not use",
+        ),
     ],
 )
 def test_bad_arguments_give_one_line_and_exit_code_2(tmp_path, words, message):
@@ -166,7 +192,17 @@ RANK_SCRIPT = """
 def test_run_starts_the_script_on_n_ranks_with_its_arguments(tmp_path):
     script = write_script(tmp_path, RANK_SCRIPT)
     done = cli(
-        "run", str(script), "-n", "3", "--mixed-precision", "bf16", "--", "--epochs", "3", "-n", "9",
+        "run",
+        str(script),
+        "-n",
+        "3",
+        "--mixed-precision",
+        "bf16",
+        "--",
+        "--epochs",
+        "3",
+        "-n",
+        "9",
         env={**os.environ, "PID_DIR": str(tmp_path)},
     )
     assert done.returncode == 0, done.stderr
@@ -179,16 +215,22 @@ def test_run_starts_the_script_on_n_ranks_with_its_arguments(tmp_path):
 
 def test_run_with_a_failing_rank_exits_1_with_its_traceback(tmp_path):
     script = write_script(tmp_path, RANK_SCRIPT)
-    done = cli("run", str(script), "-n", "2", "--", "--fail", env={**os.environ, "PID_DIR": str(tmp_path)})
+    done = cli(
+        "run", str(script), "-n", "2", "--", "--fail", env={**os.environ, "PID_DIR": str(tmp_path)}
+    )
     assert done.returncode == 1
-    assert "raised ValueError: rank 1 rejects the data. The other ranks were stopped." in done.stderr
+    assert (
+        "raised ValueError: rank 1 rejects the data. The other ranks were stopped." in done.stderr
+    )
     assert "Traceback from rank 1:" in done.stderr
     assert f'File "{script}", line 12, in main' in done.stderr
     assert_no_process_left(tmp_path)
 
 
 def test_run_restarts_failed_ranks_with_max_restarts(tmp_path):
-    script = write_script(tmp_path, """
+    script = write_script(
+        tmp_path,
+        """
         import os
         from pathlib import Path
 
@@ -197,10 +239,14 @@ def test_run_restarts_failed_ranks_with_max_restarts(tmp_path):
             marker.write_text("")
             raise RuntimeError("first attempt fails")
         print("attempt", os.environ["TORCHELASTIC_RESTART_COUNT"], "done")
-    """)
+    """,
+    )
     done = cli("run", str(script), "-n", "2", "--max-restarts", "2", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "notebook_launcher: restart 1 of 2: rank 1 failed with RuntimeError: first attempt fails" in done.stderr
+    assert (
+        "notebook_launcher: restart 1 of 2: rank 1 failed with RuntimeError: first attempt fails"
+        in done.stderr
+    )
     # Rank 0 may finish attempt 0 before rank 1 fails; attempt 1 runs both again.
     assert {"[rank0]: attempt 1 done", "[rank1]: attempt 1 done"} <= set(done.stdout.splitlines())
     assert "[rank1]: attempt 0 done" not in done.stdout
@@ -209,7 +255,14 @@ def test_run_restarts_failed_ranks_with_max_restarts(tmp_path):
 def test_run_past_its_timeout_exits_1_and_stops_every_rank(tmp_path):
     script = write_script(tmp_path, RANK_SCRIPT)
     done = cli(
-        "run", str(script), "-n", "2", "--timeout", "5", "--", "--hang",
+        "run",
+        str(script),
+        "-n",
+        "2",
+        "--timeout",
+        "5",
+        "--",
+        "--hang",
         env={**os.environ, "PID_DIR": str(tmp_path)},
     )
     assert done.returncode == 1
@@ -221,7 +274,9 @@ def test_interrupting_run_stops_every_rank_and_exits_130(tmp_path):
     script = write_script(tmp_path, RANK_SCRIPT)
     process = subprocess.Popen(
         [sys.executable, "-m", "notebook_launcher", "run", str(script), "-n", "2", "--", "--hang"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "PID_DIR": str(tmp_path)},
     )
     try:
@@ -251,10 +306,25 @@ def test_interrupting_run_stops_every_rank_and_exits_130(tmp_path):
 def test_run_passes_rdzv_conf_to_the_rendezvous(tmp_path):
     script = write_script(tmp_path, "print('never runs')\n")
     endpoint = f"127.0.0.1:{free_port()}"  # nobody hosts it
-    done = cli("run", str(script), "-n", "1", "--num-nodes", "2", "--node-rank", "1",
-               "--rdzv-endpoint", endpoint, "--rdzv-conf", "join_timeout=2,last_call_timeout=1")
+    done = cli(
+        "run",
+        str(script),
+        "-n",
+        "1",
+        "--num-nodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-conf",
+        "join_timeout=2,last_call_timeout=1",
+    )
     assert done.returncode == 1, done.stderr
-    assert f"node_rank=1 could not reach the rendezvous store at {endpoint} within join_timeout=2s" in done.stderr
+    assert (
+        f"node_rank=1 could not reach the rendezvous store at {endpoint} within join_timeout=2s"
+        in done.stderr
+    )
 
 
 def test_a_script_sees_its_name_as_typed_in_argv_0(tmp_path):
@@ -269,7 +339,9 @@ def test_run_started_with_sigint_ignored_can_still_be_interrupted(tmp_path):
     script = write_script(tmp_path, RANK_SCRIPT)
     process = subprocess.Popen(
         [sys.executable, "-m", "notebook_launcher", "run", str(script), "-n", "1", "--", "--hang"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "PID_DIR": str(tmp_path)},
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )

@@ -49,17 +49,23 @@ def run(kernel: KernelManager):
         notebook = nbformat.read(COURSE / name, as_version=4)
         # One kernel for the whole course: each notebook starts from an empty namespace.
         notebook.cells.insert(0, nbformat.v4.new_code_cell("%reset -f"))
-        NotebookClient(notebook, km=kernel, timeout=300, resources={"metadata": {"path": str(COURSE)}}).execute()
+        NotebookClient(
+            notebook, km=kernel, timeout=300, resources={"metadata": {"path": str(COURSE)}}
+        ).execute()
         return [cell for cell in notebook.cells[1:] if cell.cell_type == "code"]
 
     return execute
 
 
 def text(cells: list[nbformat.NotebookNode]) -> str:
-    return "\n".join(o.get("text", "") for c in cells for o in c.outputs if o.output_type == "stream")
+    return "\n".join(
+        o.get("text", "") for c in cells for o in c.outputs if o.output_type == "stream"
+    )
 
 
-def drawings(cells: list[nbformat.NotebookNode], kind: str = "inspector") -> list[dict[str, tuple[str, dict[int, str]]]]:
+def drawings(
+    cells: list[nbformat.NotebookNode], kind: str = "inspector"
+) -> list[dict[str, tuple[str, dict[int, str]]]]:
     """Each inspector (or ownership) output, in order: {"[stage: ]name": (verdict, {rank: line})}."""
     found = []
     for cell in cells:
@@ -75,7 +81,10 @@ def drawings(cells: list[nbformat.NotebookNode], kind: str = "inspector") -> lis
                 if ranked:
                     drawing[key][1][int(ranked[1])] = ranked[2]
                 else:  # "[stage: ]name: verdict", where a verdict may hold ": " too
-                    head = re.match(r"(.*?): ((?:equal|differs|sharded|defined|missing|not defined|one rank|owned).*)", line)
+                    head = re.match(
+                        r"(.*?): ((?:equal|differs|sharded|defined|missing|not defined|one rank|owned).*)",
+                        line,
+                    )
                     assert head, line
                     key, words = head[1], head[2]
                     drawing[key] = (words, {})
@@ -85,13 +94,19 @@ def drawings(cells: list[nbformat.NotebookNode], kind: str = "inspector") -> lis
 
 def html_of(cells: list[nbformat.NotebookNode], marker: str) -> list[str]:
     return [
-        o.data["text/html"] for c in cells for o in c.outputs
-        if o.output_type in ("display_data", "execute_result") and marker in o.data.get("text/html", "")
+        o.data["text/html"]
+        for c in cells
+        for o in c.outputs
+        if o.output_type in ("display_data", "execute_result")
+        and marker in o.data.get("text/html", "")
     ]
 
 
 def pictures(page: str) -> list[str]:
-    return [base64.b64decode(p).decode() for p in re.findall(r'src="data:image/svg\+xml;base64,([^"]+)"', page)]
+    return [
+        base64.b64decode(p).decode()
+        for p in re.findall(r'src="data:image/svg\+xml;base64,([^"]+)"', page)
+    ]
 
 
 def errors(cells: list[nbformat.NotebookNode]) -> list[nbformat.NotebookNode]:
@@ -109,12 +124,17 @@ def test_every_notebook_has_a_colab_badge_a_guarded_install_and_a_picture():
         assert 'if importlib.util.find_spec("notebook_launcher") is None:' in install
         assert "%pip install -q notebook-launcher" in install
         sources = [c.source for c in notebook.cells if c.cell_type == "code"]
-        assert all(not c.get("outputs") for c in notebook.cells if c.cell_type == "code")  # committed stripped
+        assert all(
+            not c.get("outputs") for c in notebook.cells if c.cell_type == "code"
+        )  # committed stripped
         drawn = ("show", "Ownership", "StackedBars", "Timeline", "Measured", "notebook_launcher(")
         assert any(word in "".join(sources) for word in drawn), f"{name} draws no picture"
         if name in WITHOUT_SESSION:
             continue
-        assert sum("%distributed start" in s for s in sources) == 1 and sources[-1] == "%distributed stop"
+        assert (
+            sum("%distributed start" in s for s in sources) == 1
+            and sources[-1] == "%distributed stop"
+        )
         assert "-n 2 --hardware cpu" in "".join(sources)
     json.loads((COURSE / NOTEBOOKS[0]).read_text())  # plain JSON, readable by every frontend
 
@@ -149,7 +169,10 @@ def test_01_processes_and_ranks(run):
     # Two ranks, two values, no majority: as the text says, no card is outlined.
     page = html_of(cells, 'data-name="rank"')[0]
     assert 'data-odd="true"' not in page
-    assert noise["noise"][0].startswith("differs") and noise["same_seed"][0] == "equal on every rank (2)"
+    assert (
+        noise["noise"][0].startswith("differs")
+        and noise["same_seed"][0] == "equal on every rank (2)"
+    )
     noise_page = html_of(cells, 'data-name="noise"')[0]
     assert noise_page.count('alt="heatmap of') == 4 and noise_page.count('class="nl-legend"') == 2
     # Missing is its own state, not "differs": one brown badge, rank 0's card outlined.
@@ -173,8 +196,14 @@ def test_02_sharding_data(run):
     assert sums == [10.0, 35.0] and "sums to 45.0" in text(cells)
     assert indices["indices"][1] == {0: "list [0, 2, 4, 6, 8, 10]", 1: "list [1, 3, 5, 7, 9, 0]"}
     strided, contiguous, sampler = drawings(cells, "ownership")
-    assert strided["data, strided shards (10,)"][1] == {0: "elements 0, 2, 4, 6, 8 (5 of 10 elements)", 1: "elements 1, 3, 5, 7, 9 (5 of 10 elements)"}
-    assert contiguous["data, contiguous shards (10,)"][1] == {0: "elements 0-4 (5 of 10 elements)", 1: "elements 5-9 (5 of 10 elements)"}
+    assert strided["data, strided shards (10,)"][1] == {
+        0: "elements 0, 2, 4, 6, 8 (5 of 10 elements)",
+        1: "elements 1, 3, 5, 7, 9 (5 of 10 elements)",
+    }
+    assert contiguous["data, contiguous shards (10,)"][1] == {
+        0: "elements 0-4 (5 of 10 elements)",
+        1: "elements 5-9 (5 of 10 elements)",
+    }
     # Sample 0 is held by both ranks: the padding counts it twice.
     words, held = sampler["range(11) under DistributedSampler (11,)"]
     assert words == "owned by rank; 1 held by several ranks" and "0-1" in held[1]
@@ -207,7 +236,10 @@ def test_03_collectives_are_drawn_before_and_after(run):
     assert "= [14, 16]" in scatter["after the cell: mine"][1][1]
     # reduce_scatter then all_gather, from the same tensors, is the all_reduce
     assert text(cells).count("reduce_scatter then all_gather equals all_reduce: True") == 2
-    assert identity["rebuilt"] == identity["summed"] and "= [10, 12, 14, 16]" in identity["rebuilt"][1][0]
+    assert (
+        identity["rebuilt"] == identity["summed"]
+        and "= [10, 12, 14, 16]" in identity["rebuilt"][1][0]
+    )
     assert heat["after the cell: m"][0] == "equal on every rank (2)"
     page = cells[-2].outputs[0].data["text/html"]  # the MAX all_reduce, drawn as heatmaps
     assert page.count('alt="heatmap of') == 4 and page.count('data-equal="true"') == 1
@@ -226,7 +258,10 @@ def test_04_ddp_gradients_are_equal_after_the_sync(run):
     assert by_hand["after the cell: model.weight.grad"][0] == "equal on every rank (2)"
     out = text(cells)
     assert out.count("one process on all 16 samples, mean loss, gives the average: True") == 2
-    assert out.count("the average of the ranks' gradients is 0.5000 times the global batch's gradient") == 2
+    assert (
+        out.count("the average of the ranks' gradients is 0.5000 times the global batch's gradient")
+        == 2
+    )
     # DDP broadcasts rank 0's weights when it is built: no common seed needed.
     assert broadcast["before_ddp"][0].startswith("differs")
     assert broadcast["after_ddp"][0] == "equal on every rank (2)"
@@ -252,14 +287,22 @@ def test_05_accumulation_and_precision(run):
     tiny = re.search(r"1e-8 in bfloat16: (\S+); in float16: (\S+)", out)
     assert tiny and float(tiny[1]) == pytest.approx(1e-8, rel=0.01) and float(tiny[2]) == 0.0
     ranges = {k: float(v) for k, v in re.findall(r"torch\.(\w+) +largest (\S+),", out)}
-    assert ranges["bfloat16"] == pytest.approx(ranges["float32"], rel=0.01) and ranges["float16"] == 6.55e4
-    assert "float32 (4, 1)" in precision["full"][1][0] and "bfloat16 (4, 1)" in precision["half"][1][0]
+    assert (
+        ranges["bfloat16"] == pytest.approx(ranges["float32"], rel=0.01)
+        and ranges["float16"] == 6.55e4
+    )
+    assert (
+        "float32 (4, 1)" in precision["full"][1][0] and "bfloat16 (4, 1)" in precision["half"][1][0]
+    )
     error = float(precision["error"][1][0].split()[1])
     assert 0 < error < 0.1  # bfloat16 keeps about three significant digits
     assert "1e-8 in float16: 0.0, scaled by 65536 first: 1e-08" in out
     # Reducing in bfloat16: equal on every rank, and off from float32 in the third digit.
     assert communicated["grad_bf16"][0] == "equal on every rank (2)"
-    assert communicated["grad_fp32"][0] == "equal on every rank (2)" and communicated["grad_bf16"] != communicated["grad_fp32"]
+    assert (
+        communicated["grad_fp32"][0] == "equal on every rank (2)"
+        and communicated["grad_bf16"] != communicated["grad_fp32"]
+    )
     difference = float(communicated["difference"][1][0].split()[1])
     assert 0 < difference < 0.1
     assert errors(cells) == []
@@ -276,7 +319,9 @@ def test_06_fsdp_shards_each_parameter_across_the_ranks(run):
     page = html_of(cells, 'data-name="model.0.weight"')[0]
     assert 'data-state="sharded"' in page and "≠" not in page and 'data-odd="true"' not in page
     # The whole weight, each element in its owner's colour, then each rank's block highlighted.
-    assert page.count('class="nl-picture nl-ownership"') == 2 * (1 + 2)  # per name: the whole, then each rank
+    assert page.count('class="nl-picture nl-ownership"') == 2 * (
+        1 + 2
+    )  # per name: the whole, then each rank
     whole = next(p for p in pictures(page) if 'fill="#e69f00"' in p)
     assert whole.count('fill="#0072b2"') == whole.count('fill="#e69f00"') == 64  # rank 0 and rank 1
     full = int(memory["full_bytes"][1][0].split()[1])
@@ -285,7 +330,9 @@ def test_06_fsdp_shards_each_parameter_across_the_ranks(run):
     out = text(cells)
     assert "rank 0: grad_shard equals rows 0-7 of the averaged full gradient: True" in out
     assert "rank 1: grad_shard equals rows 8-15 of the averaged full gradient: True" in out
-    assert step["grad_shard"][0] == "sharded: rows 0-7 | 8-15" and "(8, 8)" in step["grad_shard"][1][0]
+    assert (
+        step["grad_shard"][0] == "sharded: rows 0-7 | 8-15" and "(8, 8)" in step["grad_shard"][1][0]
+    )
     assert step["weight_before"][0] == step["weight"][0] == "equal on every rank (2)"
     assert step["weight"][1][0] != step["weight_before"][1][0] and "(16, 8)" in step["weight"][1][1]
     assert errors(cells) == []
@@ -318,14 +365,21 @@ def test_07_failures_are_reported_debugged_and_the_session_recovers(run):
 
 def test_08_the_cost_of_communication(run):
     cells = run("08_cost_of_communication.ipynb")
-    chart = [o for c in cells for o in c.outputs if "notebook-launcher-chart" in o.get("data", {}).get("text/html", "")]
+    chart = [
+        o
+        for c in cells
+        for o in c.outputs
+        if "notebook-launcher-chart" in o.get("data", {}).get("text/html", "")
+    ]
     lines = chart[0].data["text/plain"].splitlines()[1:]
     sizes = [int(re.match(r"  bytes ([\d,]+):", line)[1].replace(",", "")) for line in lines]
     assert sizes == [4096, 16384, 65536, 262144, 1048576, 4194304]
     for line in lines:
         measured, model = (float(v) for v in re.findall(r"(?:seconds|bandwidth) ([\d.e+-]+)", line))
         assert measured > 0 and model > 0
-    assert float(re.findall(r"bandwidth ([\d.e+-]+)", lines[-1])[0]) == pytest.approx(float(re.findall(r"seconds ([\d.e+-]+)", lines[-1])[0]), rel=1e-3)
+    assert float(re.findall(r"bandwidth ([\d.e+-]+)", lines[-1])[0]) == pytest.approx(
+        float(re.findall(r"seconds ([\d.e+-]+)", lines[-1])[0]), rel=1e-3
+    )
     out = text(cells)
     psi = 2 * (64 * 64 + 64)
     assert f"psi = {psi} parameters" in out
@@ -340,10 +394,18 @@ def test_09_memory_by_zero_stage_computed_then_measured(run):
     cells = run("09_memory_by_zero_stage.ipynb")
     out = text(cells)
     psi = 2 * (256 * 256 + 256)
-    assert f"DDP     {16 * psi:>9,} bytes per rank" in out and f"ZeRO-3  {8 * psi:>9,} bytes per rank" in out
+    assert (
+        f"DDP     {16 * psi:>9,} bytes per rank" in out
+        and f"ZeRO-3  {8 * psi:>9,} bytes per rank" in out
+    )
     for stage in ("DDP", "ZeRO-1", "ZeRO-3"):
         assert f"{stage}: measured equals computed on every rank: True" in out
-    chart = next(o for c in cells for o in c.outputs if "notebook-launcher-chart" in o.get("data", {}).get("text/html", ""))
+    chart = next(
+        o
+        for c in cells
+        for o in c.outputs
+        if "notebook-launcher-chart" in o.get("data", {}).get("text/html", "")
+    )
     bars = dict(re.findall(r"  (.+?): ([\d,]+) bytes", chart.data["text/plain"]))
     assert bars["ZeRO-1 rank 1 measured"] == f"{(4 + 4 + 4) * psi:,}"
     assert bars["ZeRO-2 computed"] == f"{(4 + 2 + 4) * psi:,}"
@@ -355,17 +417,29 @@ def test_09_memory_by_zero_stage_computed_then_measured(run):
 def test_10_tensor_and_pipeline_parallelism(run):
     cells = run("10_tensor_and_pipeline_parallel.ipynb")
     out = text(cells)
-    assert out.count("equals the unsplit model: True | collectives in the forward pass: {'all_reduce': 1}") == 2
+    assert (
+        out.count(
+            "equals the unsplit model: True | collectives in the forward pass: {'all_reduce': 1}"
+        )
+        == 2
+    )
     (weights,) = drawings(cells)
     assert weights["mlp.0.weight"][0] == "sharded: rows 0-3 | 4-7"  # column-parallel
     assert weights["mlp.2.weight"][0] == "sharded: columns 0-3 | 4-7"  # row-parallel
     assert "local shard of (4, 8) (Shard(dim=1))" in weights["mlp.2.weight"][1][1]
     assert out.count("the pipeline's gradients equal the whole model's: True") == 2
-    timeline = next(o for c in cells for o in c.outputs if "nl-timeline" in o.get("data", {}).get("text/html", ""))
+    timeline = next(
+        o
+        for c in cells
+        for o in c.outputs
+        if "nl-timeline" in o.get("data", {}).get("text/html", "")
+    )
     rows = dict(re.findall(r"  (rank \d): ([FB\d ]+);", timeline.data["text/plain"]))
     assert rows == {"rank 0": "F1 F2 F3 F4 B4 B3 B2 B1", "rank 1": "F1 F2 F3 F4 B4 B3 B2 B1"}
     idle = dict(re.findall(r"(rank \d): idle (\d+)% of the run", out))
-    assert all(0 < int(v) < 100 for v in idle.values()) and "GPipe's bubble with p=2, m=4: 20%" in out
+    assert (
+        all(0 < int(v) < 100 for v in idle.values()) and "GPipe's bubble with p=2, m=4: 20%" in out
+    )
     assert errors(cells) == []
 
 

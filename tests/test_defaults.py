@@ -203,7 +203,10 @@ def test_an_unavailable_start_method_is_refused(monkeypatch: pytest.MonkeyPatch)
 def test_choices_offer_every_option_with_the_reason_where_impossible() -> None:
     offered = d.choices(TWO_T4)
     assert offered["num_processes"] == {
-        "min": 1, "max": 2, "default": 2, "note": "At most 2: each rank needs its own GPU."
+        "min": 1,
+        "max": 2,
+        "default": 2,
+        "note": "At most 2: each rank needs its own GPU.",
     }
     assert offered["mixed_precision"]["fp16"] is None
     assert "Ampere" in offered["mixed_precision"]["bf16"]
@@ -310,21 +313,29 @@ def test_configure_in_the_kernel_overrides_the_file_field_by_field() -> None:
         assert effective.values == d.LaunchDefaults(num_processes=1, mixed_precision="bf16")
         assert effective.source_of("num_processes") == d.KERNEL
         assert effective.source_of("mixed_precision") == d.FILE
-        assert effective.source_of("start_method") is None and effective.blame("start_method") is None
+        assert (
+            effective.source_of("start_method") is None and effective.blame("start_method") is None
+        )
         assert "configure() in this kernel" in (effective.blame("num_processes") or "")
         assert str(d.defaults_path()) in (effective.blame("mixed_precision") or "")
-        assert d.load_defaults() == d.LaunchDefaults(num_processes=2, mixed_precision="bf16")  # file untouched
+        assert d.load_defaults() == d.LaunchDefaults(
+            num_processes=2, mixed_precision="bf16"
+        )  # file untouched
     finally:
         d.set_kernel_defaults(None)
     assert d.effective_defaults().sources == {"num_processes": d.FILE, "mixed_precision": d.FILE}
 
 
 def test_kernel_defaults_must_be_launch_defaults() -> None:
-    with pytest.raises(d.DefaultsError, match=r"set_kernel_defaults\(\) takes a LaunchDefaults or None; got dict"):
+    with pytest.raises(
+        d.DefaultsError, match=r"set_kernel_defaults\(\) takes a LaunchDefaults or None; got dict"
+    ):
         d.set_kernel_defaults({"num_processes": 2})  # type: ignore[arg-type]
 
 
 def test_defaults_errors_are_launch_errors() -> None:
     from notebook_launcher.errors import LaunchConfigError, LaunchError
 
-    assert issubclass(d.DefaultsError, LaunchConfigError) and issubclass(d.DefaultsError, LaunchError)
+    assert issubclass(d.DefaultsError, LaunchConfigError) and issubclass(
+        d.DefaultsError, LaunchError
+    )

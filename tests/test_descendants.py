@@ -25,8 +25,10 @@ def marked_env(launch_id: str) -> dict[str, str]:
 
 def test_the_marked_processes_have_ended_when_it_returns():
     launch_id = uuid.uuid4().hex
-    daemons = [subprocess.Popen(["sleep", "300"], env=marked_env(launch_id), start_new_session=True)
-               for _ in range(3)]
+    daemons = [
+        subprocess.Popen(["sleep", "300"], env=marked_env(launch_id), start_new_session=True)
+        for _ in range(3)
+    ]
     stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)  # not of this launch
     try:
         signalled = descendants.end_marked_processes(launch_id, wait_s=120)
@@ -45,7 +47,8 @@ def test_a_daemon_that_keeps_starting_others_is_ended_with_all_it_started(tmp_pa
     # Starts a new process in a new session as fast as it can, and says when it has.
     spawner = subprocess.Popen(
         ["sh", "-c", f"while true; do setsid sleep 300 & echo $! >> {started}; done"],
-        env=marked_env(launch_id), start_new_session=True,
+        env=marked_env(launch_id),
+        start_new_session=True,
     )
     try:
         while not (started.exists() and len(started.read_text().split()) >= 5):
@@ -72,7 +75,9 @@ def test_spared_pids_are_neither_signalled_nor_waited_for():
 
 def test_what_a_process_started_has_ended_when_it_returns(tmp_path):
     started = tmp_path / "started"
-    parent = subprocess.Popen(["sh", "-c", f"sleep 300 & echo $! >> {started}; sleep 301 & echo $! >> {started}; wait"])
+    parent = subprocess.Popen(
+        ["sh", "-c", f"sleep 300 & echo $! >> {started}; sleep 301 & echo $! >> {started}; wait"]
+    )
     try:
         while not (started.exists() and len(started.read_text().split()) == 2):
             assert parent.poll() is None

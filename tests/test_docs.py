@@ -77,7 +77,7 @@ def extract_blocks(page: Path) -> list[Block]:
         while end < len(lines) and not (
             lines[end].strip().startswith(ticks) and lines[end].strip().strip("`") == ""
         ):
-            body.append(lines[end][len(indent):] if lines[end].startswith(indent) else lines[end])
+            body.append(lines[end][len(indent) :] if lines[end].startswith(indent) else lines[end])
             end += 1
         previous = lines[index - 1].strip() if index > 0 else ""
         marker = previous if ANY_MARKER.match(previous) else None
@@ -160,7 +160,9 @@ def test_every_marker_is_understood() -> None:
     bad = [
         f"{b.name}: {b.marker}" for b in ALL_BLOCKS if b.marker and not SKIP_MARKER.match(b.marker)
     ]
-    assert not bad, "docs-test markers that are not `<!-- docs-test: skip (reason) -->`:\n" + "\n".join(bad)
+    assert not bad, (
+        "docs-test markers that are not `<!-- docs-test: skip (reason) -->`:\n" + "\n".join(bad)
+    )
 
 
 def test_skip_markers_sit_on_python_blocks_only() -> None:
@@ -180,8 +182,10 @@ def test_every_output_block_follows_a_python_block() -> None:
 def test_most_examples_run_here() -> None:
     """Skipping is for hardware this machine lacks, not a way out of a failing example."""
     skipped = [b for b in PYTHON_BLOCKS if b.skip_reason]
-    print(f"{len(PYTHON_BLOCKS)} python blocks: {len(PYTHON_BLOCKS) - len(skipped)} run, "
-          f"{len(skipped)} marked as not runnable here")
+    print(
+        f"{len(PYTHON_BLOCKS)} python blocks: {len(PYTHON_BLOCKS) - len(skipped)} run, "
+        f"{len(skipped)} marked as not runnable here"
+    )
     assert PYTHON_BLOCKS, "no python block found in the documentation"
     assert len(skipped) * 2 < len(PYTHON_BLOCKS), [b.name for b in skipped]
 
@@ -219,8 +223,12 @@ def test_the_launcher_page_shows_the_real_signatures() -> None:
     for name in ("notebook_launcher", "debug_launcher"):
         real = inspect.signature(getattr(notebook_launcher, name))
         shown = inspect.signature(documented[name])  # type: ignore[arg-type]
+
         def shape(sig: inspect.Signature) -> list[tuple[str, object, object]]:
             return [(p.name, p.kind, p.default) for p in sig.parameters.values()]
+
         assert sorted(shape(shown), key=str) == sorted(shape(real), key=str), name
         positional = [p.name for p in real.parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
-        assert [p.name for p in shown.parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD] == positional
+        assert [
+            p.name for p in shown.parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD
+        ] == positional

@@ -45,8 +45,12 @@ def test_max_restarts_restarts_the_whole_group_and_says_so(tmp_path, capfd, leak
     )
     assert value == "attempt 2 of rank 0"
     err = capfd.readouterr().err
-    assert "notebook_launcher: restart 1 of 3: rank 1 failed with ValueError: attempt 0 fails" in err
-    assert "notebook_launcher: restart 2 of 3: rank 1 failed with ValueError: attempt 1 fails" in err
+    assert (
+        "notebook_launcher: restart 1 of 3: rank 1 failed with ValueError: attempt 0 fails" in err
+    )
+    assert (
+        "notebook_launcher: restart 2 of 3: rank 1 failed with ValueError: attempt 1 fails" in err
+    )
     assert "restart 3 of 3" not in err
     # Every attempt ran both ranks as new processes: the whole group was restarted.
     runs = [line.split() for line in Path(counter + ".log").read_text().splitlines()]
@@ -56,8 +60,12 @@ def test_max_restarts_restarts_the_whole_group_and_says_so(tmp_path, capfd, leak
 
 def test_when_restarts_run_out_the_last_failure_is_raised(tmp_path, capfd, leak_check):
     counter = str(tmp_path / "counter")
-    with pytest.raises(ValueError, match=r"Rank 1 \(pid \d+\) raised ValueError: attempt 2 fails") as caught:
-        notebook_launcher(fails_until_counter_reaches, (counter, 99), num_processes=2, max_restarts=2)
+    with pytest.raises(
+        ValueError, match=r"Rank 1 \(pid \d+\) raised ValueError: attempt 2 fails"
+    ) as caught:
+        notebook_launcher(
+            fails_until_counter_reaches, (counter, 99), num_processes=2, max_restarts=2
+        )
     assert isinstance(caught.value, RankFailedError)
     err = capfd.readouterr().err
     assert err.count("notebook_launcher: restart ") == 2
@@ -83,7 +91,9 @@ def test_a_crash_without_exception_is_restarted_and_named(tmp_path, capfd, leak_
             os._exit(3)
         return os.environ["TORCHELASTIC_RESTART_COUNT"]
 
-    assert notebook_launcher(crash_once, num_processes=2, max_restarts=1, start_method="fork") == "1"
+    assert (
+        notebook_launcher(crash_once, num_processes=2, max_restarts=1, start_method="fork") == "1"
+    )
     assert "restart 1 of 1: rank 0 failed with exit code 3" in capfd.readouterr().err
 
 
@@ -133,7 +143,10 @@ assert not any(c.__name__ == "ChildFailedError" for c in cls.__mro__)
 print("ok")
 """
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
     )
     assert done.stdout.strip() == "ok", done.stderr
@@ -188,7 +201,9 @@ def test_a_restart_with_a_fixed_port_binds_it_again(tmp_path, capfd, leak_check)
         return os.environ["MASTER_PORT"]
 
     assert notebook_launcher(fail_once, num_processes=2, use_port=port, max_restarts=1) == str(port)
-    assert "restart 1 of 1: rank 1 failed with RuntimeError: first attempt" in capfd.readouterr().err
+    assert (
+        "restart 1 of 1: rank 1 failed with RuntimeError: first attempt" in capfd.readouterr().err
+    )
 
 
 def test_a_crash_without_exception_is_also_childfailederror(leak_check):

@@ -9,7 +9,8 @@ from notebook_launcher import defaults, errors
 
 def test_every_launcher_error_derives_from_launch_error() -> None:
     classes = [
-        c for _, c in inspect.getmembers(errors, inspect.isclass)
+        c
+        for _, c in inspect.getmembers(errors, inspect.isclass)
         if issubclass(c, BaseException) and not issubclass(c, Warning)
     ]
     for cls in classes:

@@ -15,8 +15,12 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 def execute(name: str) -> nbformat.NotebookNode:
     notebook = nbformat.read(EXAMPLES / name, as_version=4)
-    NotebookClient(notebook, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": str(EXAMPLES)}}).execute()
+    NotebookClient(
+        notebook,
+        timeout=300,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(EXAMPLES)}},
+    ).execute()
     return notebook
 
 
@@ -38,7 +42,9 @@ def test_quickstart_trains_on_two_ranks_and_shows_what_each_did():
     weights = [float(w) for w in learned.split("[")[1].rstrip("]").split(",")]
     assert all(abs(w - target) < 0.5 for w, target in zip(weights, range(1, 9)))
     assert "ranks agree: True" in outputs
-    assert "caught: Rank 1 (pid" in outputs and "learning rate 10.0 is too large for rank 1" in outputs
+    assert (
+        "caught: Rank 1 (pid" in outputs and "learning rate 10.0 is too large for rank 1" in outputs
+    )
 
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
     panel = code[1].outputs
@@ -55,19 +61,27 @@ def test_quickstart_trains_on_two_ranks_and_shows_what_each_did():
         assert line.split()[:3] == [str(rank), "done", "cpu"] and "loss=" in line
         assert "100% training: 40/40" in line  # the plain tqdm bar, read from its text
 
+
 def test_session_notebook_teaches_cell_by_cell_on_two_ranks():
     notebook = nbformat.read(EXAMPLES / "03_distributed_session.ipynb", as_version=4)
-    NotebookClient(notebook, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": str(EXAMPLES)}}).execute()
+    NotebookClient(
+        notebook,
+        timeout=300,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(EXAMPLES)}},
+    ).execute()
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
     outputs = "\n".join(
-        "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream") for cell in code
+        "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+        for cell in code
     )
     assert "[rank0]: rank 0 of 2: local_rank 0, device cpu, backend gloo" in outputs
     assert "[rank1]: rank 1 holds [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]" in outputs
     assert "[rank0]: rank 0: my partial sum 30, after all_reduce 66" in outputs
     assert "[rank1]: rank 1: my partial sum 36, after all_reduce 66" in outputs
-    before = [line.split(": ", 2)[2] for line in outputs.splitlines() if "before sync, rank" in line]
+    before = [
+        line.split(": ", 2)[2] for line in outputs.splitlines() if "before sync, rank" in line
+    ]
     after = [line.split(": ", 2)[2] for line in outputs.splitlines() if "after sync,  rank" in line]
     assert len(before) == len(after) == 2 and before[0] != before[1] and after[0] == after[1]
     assert outputs.count("synced gradient is the mean of the local ones: True") == 2

@@ -34,7 +34,9 @@ class Net(torch.nn.Module):
 
 def train(case: str) -> int:
     torch.manual_seed(0)
-    handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)] if case == "unused" else []
+    handlers = (
+        [DistributedDataParallelKwargs(find_unused_parameters=True)] if case == "unused" else []
+    )
     accelerator = Accelerator(kwargs_handlers=handlers)
     model = Net(frozen_embedding=case == "frozen", block_twice=case == "twice")
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
@@ -70,18 +72,29 @@ def _raise(outcome: BaseException | int) -> None:
         raise outcome
 
 
-def test_reentrant_checkpointing_with_find_unused_parameters_is_refused_before_the_backward(outcomes):
-    with pytest.raises(AcceleratorError, match=r"reentrant gradient checkpointing \(use_reentrant=True\) under DDP with find_unused_parameters=True.*use_reentrant\": False"):
+def test_reentrant_checkpointing_with_find_unused_parameters_is_refused_before_the_backward(
+    outcomes,
+):
+    with pytest.raises(
+        AcceleratorError,
+        match=r"reentrant gradient checkpointing \(use_reentrant=True\) under DDP with find_unused_parameters=True.*use_reentrant\": False",
+    ):
         _raise(outcomes["unused"])
 
 
 def test_a_block_checkpointed_twice_names_the_fix_instead_of_the_reducer_error(outcomes):
-    with pytest.raises(AcceleratorError, match=r"gradient arrive twice in one backward.*use_reentrant=False.*static_graph=True"):
+    with pytest.raises(
+        AcceleratorError,
+        match=r"gradient arrive twice in one backward.*use_reentrant=False.*static_graph=True",
+    ):
         _raise(outcomes["twice"])
 
 
 def test_a_block_cut_off_by_a_frozen_input_is_named_after_the_first_backward(outcomes):
-    with pytest.raises(AcceleratorError, match=r"2 trainable parameters got no gradient in the first backward \(module.block.weight, module.block.bias\).*enable_input_require_grads"):
+    with pytest.raises(
+        AcceleratorError,
+        match=r"2 trainable parameters got no gradient in the first backward \(module.block.weight, module.block.bias\).*enable_input_require_grads",
+    ):
         _raise(outcomes["frozen"])
 
 
@@ -90,7 +103,11 @@ def test_reentrant_checkpointing_where_every_block_gets_its_gradient_trains(outc
 
 
 def test_the_loss_graph_tells_reentrant_checkpointing_apart():
-    assert uses_reentrant_checkpointing(Net(frozen_embedding=False, block_twice=False)(torch.arange(4)))
+    assert uses_reentrant_checkpointing(
+        Net(frozen_embedding=False, block_twice=False)(torch.arange(4))
+    )
     # A block whose inputs need no gradient is cut off from the graph altogether.
-    assert not uses_reentrant_checkpointing(Net(frozen_embedding=True, block_twice=False)(torch.arange(4)))
+    assert not uses_reentrant_checkpointing(
+        Net(frozen_embedding=True, block_twice=False)(torch.arange(4))
+    )
     assert not uses_reentrant_checkpointing(torch.nn.Linear(2, 1)(torch.ones(2)).sum())

@@ -58,7 +58,11 @@ def test_lora_on_a_sharded_base_trains_the_adapter_and_saves_it_alone(sharded):
         assert got["trainable_count"] == 8
         assert got["losses"][-1] < got["losses"][0]
         assert got["base_unchanged"] and got["lora_changed"]
-        assert got["saved_files"] == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+        assert got["saved_files"] == [
+            "README.md",
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        ]
         assert got["adapter_reload_diff"] < 1e-5
 
 

@@ -30,7 +30,9 @@ import trl  # noqa: F401
 
 # One launch and one torchrun for every test here, together over 30 s on a busy machine
 # (each imports transformers, peft, trl and datasets): the module's fixture shares them.
-pytestmark = pytest.mark.slow(reason="trains LoRA under torchrun and under the launcher, to compare: about 1 min")
+pytestmark = pytest.mark.slow(
+    reason="trains LoRA under torchrun and under the launcher, to compare: about 1 min"
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ]  # fmt: skip
     # torchrun runs while the launch runs: both spend most of their time importing.
     with subprocess.Popen(
-        command, env=clean_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command,
+        env=clean_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     ) as torchrun:
         try:
             ours = notebook_launcher(
@@ -89,7 +95,11 @@ def test_lora_trains_only_the_adapter_synced_and_equal_to_accelerate_under_torch
 def test_the_saved_adapter_holds_the_adapter_alone_and_loads_back_and_merges(runs):
     got = runs["ours"][0]["lora"]
     for folder in ("save_model", "save_pretrained"):
-        assert got["files"][folder] == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+        assert got["files"][folder] == [
+            "README.md",
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        ]
     assert len(got["saved_keys"]) == len(got["trainable"])
     assert all("lora_A" in k or "lora_B" in k for k in got["saved_keys"])
     assert got["training_changed_logits"] > 1e-3  # the adapter learned something to save

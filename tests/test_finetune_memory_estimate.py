@@ -78,7 +78,10 @@ def test_the_estimate_per_rank_matches_what_the_rank_holds(measured, setup):
 def test_the_estimate_orders_the_setups_as_measured(measured):
     totals = {name: _estimate(*setup).total for name, setup in SETUPS.items()}
     held = {
-        name: sum(measured[name][k] for k in ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes"))
+        name: sum(
+            measured[name][k]
+            for k in ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes")
+        )
         for name in SETUPS
     }
     assert sorted(totals, key=totals.__getitem__) == sorted(held, key=held.__getitem__)

@@ -46,7 +46,9 @@ def test_a_ten_million_element_tensor_becomes_a_summary_of_a_few_kilobytes():
     s = summarize(big, "big")
     assert len(pickle.dumps(s)) < 8_000  # 40 MB of floats stay on the rank
     assert s.numel == 10_000_000 and s.elements == ()
-    assert len(s.grid) == GRID_ROWS and len(s.grid[0]) == GRID_COLS and "mean of about" in s.grid_note
+    assert (
+        len(s.grid) == GRID_ROWS and len(s.grid[0]) == GRID_COLS and "mean of about" in s.grid_note
+    )
     assert s.key == summarize(big.clone()).key != summarize(big + 1).key
 
 
@@ -83,12 +85,17 @@ def test_a_name_or_attribute_missing_on_the_rank_is_said_so():
         def value(self):
             raise RuntimeError("no")
 
-    assert summarize_name({"b": Broken()}, "b.value", 0).text == "reading b.value raised RuntimeError on rank 0"
+    assert (
+        summarize_name({"b": Broken()}, "b.value", 0).text
+        == "reading b.value raised RuntimeError on rank 0"
+    )
 
 
 def test_only_variable_names_and_dotted_paths_can_be_shown():
     assert check_names(["a", "model.weight.grad"]) == ("a", "model.weight.grad")
-    with pytest.raises(LaunchTypeError, match=r"show\(\) takes names of the ranks' variables.*'a<b'"):
+    with pytest.raises(
+        LaunchTypeError, match=r"show\(\) takes names of the ranks' variables.*'a<b'"
+    ):
         check_names(["a<b"])
     with pytest.raises(LaunchTypeError, match="show"):
         check_names(["__import__('os').system('x')"])
@@ -115,7 +122,9 @@ def test_mismatched_shapes_and_a_missing_rank_draw():
     assert "rank 2: not defined (w is not defined on rank 2)" in text
     page = render_html([("", values)])
     assert page.count('class="nl-picture"') == 2 and "not defined" in page
-    assert verdict(values["w"]).odd == {2}  # every present rank differs: only the missing one stands out
+    assert verdict(values["w"]).odd == {
+        2
+    }  # every present rank differs: only the missing one stands out
 
 
 def test_user_text_is_escaped_and_dollars_are_kept_from_mathjax():
@@ -156,16 +165,17 @@ def shown(cell):
     by_id: dict[str, dict] = {}
     for message in cell.messages:
         if message["msg_type"] in SHOWN:
-            key = message["content"].get("transient", {}).get("display_id") or message["header"]["msg_id"]
+            key = (
+                message["content"].get("transient", {}).get("display_id")
+                or message["header"]["msg_id"]
+            )
             by_id[key] = message["content"]["data"]
     return list(by_id.values())
 
 
 @pytest.mark.kernel
 def test_show_draws_tensor_scalar_string_and_a_missing_rank_in_the_kernel(kernel):
-    cell = kernel.run(
-        "%%distributed --ranks 0\nonly_here = 1"
-    )
+    cell = kernel.run("%%distributed --ranks 0\nonly_here = 1")
     assert cell.error is None, cell.error
     cell = kernel.run(
         "%%distributed\n"
@@ -189,7 +199,10 @@ def test_show_draws_tensor_scalar_string_and_a_missing_rank_in_the_kernel(kernel
     assert "&lt;img src=x onerror=alert(1)&gt; $rank$" in data["text/html"]
     tags = re.findall(r"<img [^>]*>", data["text/html"])
     # the pictures and the colour scale's legend only
-    assert tags and all(tag.startswith(('<img class="nl-picture" alt="', '<img class="nl-scale" alt="')) for tag in tags)
+    assert tags and all(
+        tag.startswith(('<img class="nl-picture" alt="', '<img class="nl-scale" alt="'))
+        for tag in tags
+    )
 
 
 @pytest.mark.kernel
@@ -212,7 +225,9 @@ def test_show_around_a_cell_draws_before_and_after_an_all_reduce(kernel):
 @pytest.mark.kernel
 def test_show_after_a_failing_cell_still_draws_and_the_error_is_raised(kernel):
     assert kernel.run("%%distributed\nw = torch.zeros(2)").error is None
-    cell = kernel.run("%%distributed --show w\nw += rank\nif rank == 1:\n    raise ValueError('bad')")
+    cell = kernel.run(
+        "%%distributed --show w\nw += rank\nif rank == 1:\n    raise ValueError('bad')"
+    )
     assert cell.error is not None and "ValueError" in cell.error["ename"]
     (data,) = shown(cell)
     assert "after the cell: w: differs across ranks" in data["text/plain"]
@@ -277,7 +292,10 @@ def test_unusual_tensors_still_get_a_card():
 def _heatmaps(page: str) -> list[list[str]]:
     """Each heatmap's cell colours, in order (the legend is left out)."""
     found = re.findall(r'alt="heatmap of [^"]*"[^>]*src="data:image/svg\+xml;base64,([^"]+)"', page)
-    return [re.findall(r'<rect [^>]*fill="(#[0-9a-f]{6})"', base64.b64decode(svg).decode()) for svg in found]
+    return [
+        re.findall(r'<rect [^>]*fill="(#[0-9a-f]{6})"', base64.b64decode(svg).decode())
+        for svg in found
+    ]
 
 
 def _fills(page: str) -> list[str]:
@@ -302,7 +320,9 @@ def test_colours_are_centred_on_zero_with_one_scale_across_the_ranks_and_a_legen
     assert page.count('class="nl-legend"') == 1 and "-4.1" in page and "white is 0" in page
     # Blue for negative, red for positive, white at zero.
     mixed = _fills(render_html([("", stage("m", [torch.tensor([[-1.0, 0.0, 1.0]])]))]))
-    (r0, _, b0), white, (r2, _, b2) = [tuple(int(c[i : i + 2], 16) for i in (1, 3, 5)) for c in mixed]
+    (r0, _, b0), white, (r2, _, b2) = [
+        tuple(int(c[i : i + 2], 16) for i in (1, 3, 5)) for c in mixed
+    ]
     assert b0 > r0 and white == (247, 247, 247) and r2 > b2
 
 
@@ -310,7 +330,11 @@ def _sharded(shape, placement, locals_):
     import dataclasses
 
     return [
-        dataclasses.replace(summarize(t, "w", rank), type_name="DTensor", note=f"local shard of {shape} ({placement})")
+        dataclasses.replace(
+            summarize(t, "w", rank),
+            type_name="DTensor",
+            note=f"local shard of {shape} ({placement})",
+        )
         for rank, t in enumerate(locals_)
     ]
 
@@ -318,7 +342,12 @@ def _sharded(shape, placement, locals_):
 def test_a_shard_placement_is_neutral_and_drawn_whole_with_each_owner():
     summaries = _sharded((16, 8), "Shard(dim=0)", [torch.ones(8, 8), torch.zeros(8, 8)])
     v = verdict(summaries)
-    assert (v.state, v.words, v.odd, v.equal) == ("sharded", "sharded: rows 0-7 | 8-15", frozenset(), False)
+    assert (v.state, v.words, v.odd, v.equal) == (
+        "sharded",
+        "sharded: rows 0-7 | 8-15",
+        frozenset(),
+        False,
+    )
     page = render_html([("", {"w": summaries})])
     assert 'data-state="sharded"' in page and "≠" not in page and 'data-odd="true"' not in page
     assert page.count('class="nl-picture nl-ownership"') == 3  # the whole, then each rank's block
@@ -326,14 +355,22 @@ def test_a_shard_placement_is_neutral_and_drawn_whole_with_each_owner():
     assert columns.words == "sharded: columns 0-3 | 4-7"
     uneven = verdict(_sharded((5,), "Shard(dim=0)", [torch.ones(3), torch.zeros(2)]))
     assert uneven.words == "sharded: elements 0-2 | 3-4"
-    assert repr(uneven.ownership).splitlines()[1:] == ["  rank 0: elements 0-2 (3 of 5 elements)", "  rank 1: elements 3-4 (2 of 5 elements)"]
+    assert repr(uneven.ownership).splitlines()[1:] == [
+        "  rank 0: elements 0-2 (3 of 5 elements)",
+        "  rank 1: elements 3-4 (2 of 5 elements)",
+    ]
     # One rank shown: no ranges can be said, still not an error.
     alone = verdict(_sharded((16, 8), "Shard(dim=0)", [torch.ones(8, 8), torch.zeros(8, 8)])[1:])
     assert (alone.state, alone.words) == ("sharded", "sharded along dim 0 (Shard(dim=0))")
     same_numbers = verdict(_sharded((4,), "Shard(dim=0)", [torch.ones(2), torch.ones(2)]))
     assert same_numbers.words == "sharded: elements 0-1 | 2-3"  # equal numbers, different parts
-    two_d = verdict(_sharded((16, 8), "Shard(dim=0), Replicate()", [torch.ones(8, 8), torch.zeros(8, 8)]))
-    assert (two_d.state, two_d.words) == ("sharded", "sharded (Shard(dim=0), Replicate()) across the ranks")
+    two_d = verdict(
+        _sharded((16, 8), "Shard(dim=0), Replicate()", [torch.ones(8, 8), torch.zeros(8, 8)])
+    )
+    assert (two_d.state, two_d.words) == (
+        "sharded",
+        "sharded (Shard(dim=0), Replicate()) across the ranks",
+    )
     replicated = verdict(_sharded((4,), "Replicate()", [torch.ones(4), torch.zeros(4)]))
     assert replicated.state == "differs"  # replicas that differ are an error
 
@@ -341,7 +378,11 @@ def test_a_shard_placement_is_neutral_and_drawn_whole_with_each_owner():
 def test_badges_never_contradict_themselves():
     one = [summarize_name({}, "s", 0), summarize(42, "s", 1)]
     v = verdict(one)
-    assert (v.state, v.words, v.odd) == ("missing", "defined on rank 1 only; missing on rank 0", frozenset({0}))
+    assert (v.state, v.words, v.odd) == (
+        "missing",
+        "defined on rank 1 only; missing on rank 0",
+        frozenset({0}),
+    )
     page = render_html([("", {"s": one})])
     assert "≠" not in page and "∅ defined on rank 1 only" in page
     three = [summarize(1, "s", 0), summarize(1, "s", 1), summarize_name({}, "s", 2)]
@@ -360,15 +401,34 @@ def test_ownership_and_the_course_charts_carry_their_numbers_in_text():
         "  rank 0: elements 0, 2, 4, 6, 8, 10 (6 of 11 elements)",
         "  rank 1: elements 0-1, 3, 5, 7, 9 (6 of 11 elements)",
     ]
-    assert "several ranks (*)" in owned._repr_html_() and owned._repr_html_().count("nl-ownership") == 3
+    assert (
+        "several ranks (*)" in owned._repr_html_()
+        and owned._repr_html_().count("nl-ownership") == 3
+    )
     with pytest.raises(ValueError, match=r"x: 3 owners given for shape \(2, 2\) \(4 elements\)"):
         Ownership("x", (2, 2), [frozenset({0})] * 3, [0])
-    bars = StackedBars("memory", {"DDP": {"parameters": 4, "gradients": 4}, "ZeRO-3": {"parameters": 2, "gradients": 2}})
-    assert bars.text() == "memory:\n  DDP: 8 bytes (parameters 4, gradients 4)\n  ZeRO-3: 4 bytes (parameters 2, gradients 2)"
-    timeline = Timeline("pipe", [("rank 0", "F1", 0.0, 1.0), ("rank 1", "F1", 1.0, 2.0), ("rank 1", "B1", 2.0, 3.0), ("rank 0", "B1", 3.0, 4.0)])
+    bars = StackedBars(
+        "memory",
+        {"DDP": {"parameters": 4, "gradients": 4}, "ZeRO-3": {"parameters": 2, "gradients": 2}},
+    )
+    assert (
+        bars.text()
+        == "memory:\n  DDP: 8 bytes (parameters 4, gradients 4)\n  ZeRO-3: 4 bytes (parameters 2, gradients 2)"
+    )
+    timeline = Timeline(
+        "pipe",
+        [
+            ("rank 0", "F1", 0.0, 1.0),
+            ("rank 1", "F1", 1.0, 2.0),
+            ("rank 1", "B1", 2.0, 3.0),
+            ("rank 0", "B1", 3.0, 4.0),
+        ],
+    )
     assert timeline.idle_fraction("rank 0") == 0.5 and "rank 1: F1 B1; idle 50%" in timeline.text()
     measured = Measured("t", [(1000, 0.5), (2000, 1.0)], 0.0005, "bytes", "seconds", "model")
     assert "bytes 2,000: seconds 1, model 1" in measured.text()
     for shown in (owned, bars, timeline, measured):
         page = shown._repr_mimebundle_()["text/html"]
-        assert "<svg" not in page and len(re.findall(r'src="data:image/svg\+xml;base64,', page)) >= 1
+        assert (
+            "<svg" not in page and len(re.findall(r'src="data:image/svg\+xml;base64,', page)) >= 1
+        )

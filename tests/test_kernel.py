@@ -64,7 +64,9 @@ def test_each_ranks_output_appears_in_the_cell_with_its_rank(kernel):
 
 
 def test_all_values_come_back_with_return_all(kernel):
-    cell = kernel.run("notebook_launcher(lambda: int(os.environ['RANK']) ** 2, num_processes=2, return_all=True)")
+    cell = kernel.run(
+        "notebook_launcher(lambda: int(os.environ['RANK']) ** 2, num_processes=2, return_all=True)"
+    )
     assert cell.error is None and cell.result == "[0, 1]"
 
 

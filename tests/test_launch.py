@@ -38,7 +38,11 @@ def all_reduce_ranks(scale):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_each_start_method_runs_ranks_that_talk_and_return(method, leak_check):
-    assert notebook_launcher(all_reduce_ranks, (10,), num_processes=2, start_method=method) == (0, 2, 30.0)
+    assert notebook_launcher(all_reduce_ranks, (10,), num_processes=2, start_method=method) == (
+        0,
+        2,
+        30.0,
+    )
     values = notebook_launcher(
         all_reduce_ranks, (1,), num_processes=2, start_method=method, return_all=True
     )
@@ -86,8 +90,17 @@ def test_functions_and_globals_of_a_main_script_work_under_every_start_method(tm
 def read_contract():
     import torch
 
-    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-            "MASTER_PORT", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_CPU"]
+    keys = [
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "ACCELERATE_MIXED_PRECISION",
+        "ACCELERATE_USE_CPU",
+    ]
     return {k: os.environ.get(k) for k in keys} | {"threads": torch.get_num_threads()}
 
 
@@ -108,13 +121,19 @@ def test_every_rank_sees_the_torchrun_contract_and_the_precision(method, leak_ch
 
 def test_a_given_port_is_used(leak_check):
     port = free_port()
-    assert notebook_launcher(read_contract, num_processes=1, use_port=str(port))["MASTER_PORT"] == str(port)
+    assert notebook_launcher(read_contract, num_processes=1, use_port=str(port))[
+        "MASTER_PORT"
+    ] == str(port)
 
 
-def test_environment_changes_made_after_the_forkserver_started_reach_the_ranks(monkeypatch, leak_check):
+def test_environment_changes_made_after_the_forkserver_started_reach_the_ranks(
+    monkeypatch, leak_check
+):
     notebook_launcher(read_contract, num_processes=1, start_method="forkserver")
     monkeypatch.setenv("MY_SETTING", "late")
-    got = notebook_launcher(lambda: os.environ.get("MY_SETTING"), num_processes=1, start_method="forkserver")
+    got = notebook_launcher(
+        lambda: os.environ.get("MY_SETTING"), num_processes=1, start_method="forkserver"
+    )
     monkeypatch.undo()
     assert got == "late"
 
@@ -234,14 +253,18 @@ class RankOutcomes:
 def test_a_failing_rank_raises_its_own_error_and_stops_the_others_at_once(method, leak_check):
     outcomes = RankOutcomes()
     with pytest.raises(ValueError, match="learning rate 10 is too large") as caught:
-        notebook_launcher(fail_on_rank_one, ("value",), num_processes=2, start_method=method, observers=[outcomes])
+        notebook_launcher(
+            fail_on_rank_one, ("value",), num_processes=2, start_method=method, observers=[outcomes]
+        )
     # Rank 0 sleeps a minute: stopped by the launcher, it did not run to its end.
     assert outcomes.states == {0: "stopped", 1: "failed"}
     error = caught.value
     assert isinstance(error, RankFailedError)
     message = str(error)
     assert message.startswith("Rank 1 (pid ")
-    assert "raised ValueError: learning rate 10 is too large. The other ranks were stopped." in message
+    assert (
+        "raised ValueError: learning rate 10 is too large. The other ranks were stopped." in message
+    )
     assert "Traceback from rank 1:" in message and "in fail_on_rank_one" in message
     assert "run_rank" not in message  # the launcher's own frame is not the user's business
     assert [f.rank for f in error.failures] == [1]
@@ -254,12 +277,16 @@ def test_exception_classes_defined_by_the_user_are_kept(leak_check):
 
 
 def test_a_rank_exiting_non_zero_is_reported_with_its_code(leak_check):
-    with pytest.raises(RankFailedError, match=r"Rank 1 \(pid \d+\) exited with code 3 without raising an exception"):
+    with pytest.raises(
+        RankFailedError, match=r"Rank 1 \(pid \d+\) exited with code 3 without raising an exception"
+    ):
         notebook_launcher(fail_on_rank_one, ("exit",), num_processes=2)
 
 
 def test_a_segfault_is_reported_with_the_signal_and_the_crash_output(leak_check):
-    with pytest.raises(RankFailedError, match=r"Rank 1 \(pid \d+\) was killed by SIGSEGV \(segmentation fault\)") as caught:
+    with pytest.raises(
+        RankFailedError, match=r"Rank 1 \(pid \d+\) was killed by SIGSEGV \(segmentation fault\)"
+    ) as caught:
         notebook_launcher(fail_on_rank_one, ("segfault",), num_processes=2)
     assert "Fatal Python error: Segmentation fault" in str(caught.value)
     assert caught.value.failures[0].signal_name == "SIGSEGV"
@@ -268,7 +295,8 @@ def test_a_segfault_is_reported_with_the_signal_and_the_crash_output(leak_check)
 def test_a_hung_launch_ends_at_its_timeout_naming_the_ranks(leak_check):
     outcomes = RankOutcomes()
     with pytest.raises(
-        LaunchTimeoutError, match=r"ran past timeout=1s; rank\(s\) 0, 1 were still running and have been stopped"
+        LaunchTimeoutError,
+        match=r"ran past timeout=1s; rank\(s\) 0, 1 were still running and have been stopped",
     ):
         notebook_launcher(time.sleep, (60,), num_processes=2, timeout=1, observers=[outcomes])
     assert outcomes.states == {0: "stopped", 1: "stopped"}  # not a minute later, at their own end
@@ -281,7 +309,9 @@ def unpicklable_result():
 
 
 def test_a_return_value_that_cannot_come_back_is_explained(leak_check):
-    with pytest.raises(TypeError, match=r"the return value of rank 0 \(a lock\) cannot be pickled back"):
+    with pytest.raises(
+        TypeError, match=r"the return value of rank 0 \(a lock\) cannot be pickled back"
+    ):
         notebook_launcher(unpicklable_result, num_processes=1)
 
 
@@ -358,13 +388,20 @@ def test_auto_falls_back_to_the_forkserver_when_the_kernel_holds_a_process_group
     finally:
         dist.destroy_process_group()
     _, err = capfd.readouterr()
-    assert "using start_method='forkserver' because a torch.distributed process group is initialised" in err
+    assert (
+        "using start_method='forkserver' because a torch.distributed process group is initialised"
+        in err
+    )
 
 
-def test_auto_falls_back_to_the_forkserver_when_cuda_was_initialised(monkeypatch, capfd, leak_check):
+def test_auto_falls_back_to_the_forkserver_when_cuda_was_initialised(
+    monkeypatch, capfd, leak_check
+):
     import torch
 
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # no GPU here: fake the detection
+    monkeypatch.setattr(
+        torch.cuda, "is_initialized", lambda: True
+    )  # no GPU here: fake the detection
     assert notebook_launcher(all_reduce_ranks, (1,), num_processes=2) == (0, 2, 3.0)
     _, err = capfd.readouterr()
     assert "using start_method='forkserver' because CUDA was initialised in this kernel" in err
@@ -374,8 +411,13 @@ def use_hugging_face_accelerate():
     from accelerate import Accelerator
 
     accelerator = Accelerator()
-    seen = (accelerator.num_processes, accelerator.process_index, accelerator.mixed_precision,
-            str(accelerator.device), str(accelerator.distributed_type))
+    seen = (
+        accelerator.num_processes,
+        accelerator.process_index,
+        accelerator.mixed_precision,
+        str(accelerator.device),
+        str(accelerator.distributed_type),
+    )
     accelerator.wait_for_everyone()
     return seen
 
@@ -399,7 +441,10 @@ def log_losses():
     accelerator = Accelerator()
     for step in range(3):
         # Values that are not floats stay with the trackers: the plot gets the numbers.
-        accelerator.log({"loss": (accelerator.process_index + 1) / (step + 1), "note": "text", "huge": 10**400}, step=step)
+        accelerator.log(
+            {"loss": (accelerator.process_index + 1) / (step + 1), "note": "text", "huge": 10**400},
+            step=step,
+        )
     for step in range(3, 20_003):  # a tight loop: its calls travel in batches
         accelerator.log({"lr": 0.5}, step=step)
 
@@ -415,13 +460,19 @@ def test_what_ranks_log_reaches_the_launch_observers(leak_check):
         def on_event(self, event):
             if isinstance(event, RankMetrics):
                 self.events += 1
-                self.metrics += [(event.rank, *call) for call in zip(event.batch.steps, event.batch.calls())]
+                self.metrics += [
+                    (event.rank, *call) for call in zip(event.batch.steps, event.batch.calls())
+                ]
 
     collector = Collector()
     notebook_launcher(log_losses, num_processes=2, observers=[collector])
     for rank in range(2):
         calls = [call[1:] for call in collector.metrics if call[0] == rank]  # in the order logged
-        assert calls[:3] == [(0, {"loss": rank + 1.0}), (1, {"loss": (rank + 1) / 2}), (2, {"loss": (rank + 1) / 3})]
+        assert calls[:3] == [
+            (0, {"loss": rank + 1.0}),
+            (1, {"loss": (rank + 1) / 2}),
+            (2, {"loss": (rank + 1) / 3}),
+        ]
         assert calls[3:] == [(step, {"lr": 0.5}) for step in range(3, 20_003)]
     assert collector.events < 20_006 // 10  # not an event per call
 
@@ -447,7 +498,10 @@ def test_a_step_that_is_no_number_is_dropped_and_the_result_still_arrives(leak_c
             if isinstance(event, RankMetrics):
                 steps[event.rank] += event.batch.steps
 
-    assert notebook_launcher(log_odd_steps, num_processes=2, observers=[Collector()], return_all=True) == ["done"] * 2
+    assert (
+        notebook_launcher(log_odd_steps, num_processes=2, observers=[Collector()], return_all=True)
+        == ["done"] * 2
+    )
     assert steps == {0: [None, 4, 2.5, None], 1: [None, 4, 2.5, None]}
 
 
@@ -474,12 +528,18 @@ def test_a_process_a_rank_forked_never_mixes_its_writes_into_the_ranks(leak_chec
             if isinstance(event, RankMetrics):
                 steps.extend(event.batch.steps)
 
-    assert notebook_launcher(log_beside_a_forked_worker, num_processes=1, observers=[Collector()]) == "done"
+    assert (
+        notebook_launcher(log_beside_a_forked_worker, num_processes=1, observers=[Collector()])
+        == "done"
+    )
     assert steps == list(range(30_000))  # the rank's own calls, each once, in order
     # The worker's calls are not sent, and it says so, once (a long launch's closing table
     # may repeat it as the rank's last line).
-    said = [line for line in capfd.readouterr().err.splitlines()
-            if line.startswith("[rank0]: ") and "is not sent to the notebook" in line]
+    said = [
+        line
+        for line in capfd.readouterr().err.splitlines()
+        if line.startswith("[rank0]: ") and "is not sent to the notebook" in line
+    ]
     assert len(said) == 1, said
 
 
@@ -494,4 +554,6 @@ def garble_the_message_pipe():
 def test_a_garbled_message_pipe_fails_the_rank_with_a_clear_error(leak_check):
     with pytest.raises(RankFailedError, match=r"Rank 0 .*exited with code 0") as caught:
         notebook_launcher(garble_the_message_pipe, num_processes=1)
-    assert "the messages of rank 0 to the notebook could not be read (UnpicklingError" in str(caught.value)
+    assert "the messages of rank 0 to the notebook could not be read (UnpicklingError" in str(
+        caught.value
+    )

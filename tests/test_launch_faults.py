@@ -55,15 +55,22 @@ def test_a_second_interrupt_while_stopping_leaves_nothing_behind(tmp_path, monke
         signal.pthread_kill(main, signal.SIGINT)  # the stop button
         deadline = time.monotonic() + 120
         # Both ranks got SIGTERM (and ignore it): the launcher waits in its grace period.
-        while time.monotonic() < deadline and not (marker.exists() and marker.read_text().count("SIGTERM") == 2):
+        while time.monotonic() < deadline and not (
+            marker.exists() and marker.read_text().count("SIGTERM") == 2
+        ):
             time.sleep(0.02)
         signal.pthread_kill(main, signal.SIGINT)  # pressed again
 
     pusher = threading.Thread(target=interrupt_twice)
     pusher.start()
     with pytest.raises(KeyboardInterrupt):
-        notebook_launcher(ignore_sigterm_and_wait, (str(marker),), num_processes=2, timeout=300,
-                          observers=[WhenReady()])
+        notebook_launcher(
+            ignore_sigterm_and_wait,
+            (str(marker),),
+            num_processes=2,
+            timeout=300,
+            observers=[WhenReady()],
+        )
     pusher.join()
     assert marker.read_text() == "SIGTERM\nSIGTERM\n"
     assert registry.list_launches() == []  # and leak_check: no port, thread, fd or process
@@ -74,9 +81,12 @@ def ask_for_input():
 
 
 def test_input_in_a_rank_fails_at_once_with_a_clear_message(leak_check):
-    with pytest.raises(RankInputError, match=r"input\(\) \(prompt 'learning rate\? '\) cannot be used in a rank: "
-                       r"ranks have no terminal or notebook to read from \(their stdin is /dev/null\)\. "
-                       r"Read the value in the notebook before the launch") as caught:
+    with pytest.raises(
+        RankInputError,
+        match=r"input\(\) \(prompt 'learning rate\? '\) cannot be used in a rank: "
+        r"ranks have no terminal or notebook to read from \(their stdin is /dev/null\)\. "
+        r"Read the value in the notebook before the launch",
+    ) as caught:
         notebook_launcher(ask_for_input, num_processes=1, timeout=60)
     assert isinstance(caught.value, EOFError) and isinstance(caught.value, LaunchError)
 
@@ -85,8 +95,13 @@ def start_a_daemon():
 
     # Both leave the rank's process group: a new session, and a double fork through a shell.
     own_session = subprocess.Popen(["sleep", "300"], start_new_session=True)
-    forked = subprocess.run("setsid sleep 301 >/dev/null 2>&1 & echo $!", shell=True,
-                            capture_output=True, text=True, check=True)
+    forked = subprocess.run(
+        "setsid sleep 301 >/dev/null 2>&1 & echo $!",
+        shell=True,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return [own_session.pid, int(forked.stdout)]
 
 
@@ -137,7 +152,9 @@ def test_a_daemon_of_a_rank_that_was_stopped_is_ended_too(leak_check):
                     registry.request_stop(launch.launch_id)
 
     with pytest.raises(LaunchStoppedError, match="stopped from the JupyterLab sidebar"):
-        notebook_launcher(start_a_daemon_then_hang, num_processes=1, observers=[StopOnceTheDaemonRuns()])
+        notebook_launcher(
+            start_a_daemon_then_hang, num_processes=1, observers=[StopOnceTheDaemonRuns()]
+        )
     assert len(pids) == 1 and gone(pids[0])
 
 
@@ -155,7 +172,9 @@ def test_an_exception_that_cannot_be_pickled_keeps_its_type(leak_check):
     with pytest.raises(LockedError, match="the shard lock is held") as caught:
         notebook_launcher(raise_locked_error, num_processes=1)
     assert isinstance(caught.value, RankFailedError)
-    assert "raised tests.test_launch_faults.LockedError: the shard lock is held" in str(caught.value)
+    assert "raised tests.test_launch_faults.LockedError: the shard lock is held" in str(
+        caught.value
+    )
 
 
 def test_an_exception_class_of_a_script_keeps_its_type_under_every_start_method(tmp_path):
@@ -207,8 +226,10 @@ def test_a_rank_leaving_early_is_named_as_the_cause(leak_check):
         notebook_launcher(leave_early_or_all_reduce, num_processes=2, timeout=120)
     message = str(caught.value)
     assert message.startswith("Rank 0 (pid ")
-    assert ("Before that, rank 1 (sys.exit(0)) had already exited early, while rank 0 still "
-            "needed it: a rank that leaves while the others wait in a collective") in message
+    assert (
+        "Before that, rank 1 (sys.exit(0)) had already exited early, while rank 0 still "
+        "needed it: a rank that leaves while the others wait in a collective"
+    ) in message
     assert ".;" not in message and ".." not in message
 
 
@@ -224,12 +245,21 @@ def exit_while_the_other_waits_in_all_reduce():
     dist.all_reduce(torch.ones(1))
 
 
-def test_a_rank_leaving_while_another_waits_is_named_whichever_end_the_kernel_sees_first(leak_check):
+def test_a_rank_leaving_while_another_waits_is_named_whichever_end_the_kernel_sees_first(
+    leak_check,
+):
     for _ in range(3):
         with pytest.raises(RankFailedError) as caught:
-            notebook_launcher(exit_while_the_other_waits_in_all_reduce, num_processes=2, timeout=120,
-                              start_method="fork")
-        assert "Before that, rank 1 (sys.exit(0)) had already exited early, while rank 0 still needed it" in str(caught.value)
+            notebook_launcher(
+                exit_while_the_other_waits_in_all_reduce,
+                num_processes=2,
+                timeout=120,
+                start_method="fork",
+            )
+        assert (
+            "Before that, rank 1 (sys.exit(0)) had already exited early, while rank 0 still needed it"
+            in str(caught.value)
+        )
 
 
 def return_at_once_or_look_at_the_peer_that_did():
@@ -251,7 +281,9 @@ def return_at_once_or_look_at_the_peer_that_did():
 
 def test_a_rank_that_returned_keeps_its_connections_until_its_peers_return(leak_check):
     # Closing them at once would fail a peer still in Gloo's connection handshake.
-    status = notebook_launcher(return_at_once_or_look_at_the_peer_that_did, num_processes=2, timeout=120)
+    status = notebook_launcher(
+        return_at_once_or_look_at_the_peer_that_did, num_processes=2, timeout=120
+    )
     assert status in ("sleeping", "running", "disk-sleep")  # rank 0's value: rank 1's process
 
 
@@ -264,6 +296,7 @@ def exit_then_linger_in_the_release_of_the_group():
 
     dist.init_process_group("gloo")
     if dist.get_rank() == 1:
+
         def release_then_linger():  # as a busy machine may: the process ends long after
             dist.destroy_process_group()
             time.sleep(600)
@@ -277,11 +310,18 @@ def test_a_rank_stopped_while_it_exits_after_returning_is_still_named_as_the_cau
     # Its peer fails at once on the closed connection, and the launch stops the lingering
     # rank: what it returned was sent before its connections closed, and still counts.
     with pytest.raises(RankFailedError) as caught:
-        notebook_launcher(exit_then_linger_in_the_release_of_the_group, num_processes=2,
-                          timeout=120, start_method="fork")
+        notebook_launcher(
+            exit_then_linger_in_the_release_of_the_group,
+            num_processes=2,
+            timeout=120,
+            start_method="fork",
+        )
     message = str(caught.value)
     assert message.startswith("Rank 0 (pid ")
-    assert "Before that, rank 1 (sys.exit(0)) had already exited early, while rank 0 still needed it" in message
+    assert (
+        "Before that, rank 1 (sys.exit(0)) had already exited early, while rank 0 still needed it"
+        in message
+    )
     assert [failure.rank for failure in caught.value.failures] == [0]
 
 
@@ -291,9 +331,18 @@ def test_a_closed_connection_names_the_rank_that_returned_even_if_its_end_was_se
     from notebook_launcher.launcher.rank_group import Outcome
     from notebook_launcher.launcher.report import rank_failed_error
 
-    root = RankFailure(0, 11, 1, "RuntimeError", "[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5", time=100.0)
+    root = RankFailure(
+        0,
+        11,
+        1,
+        "RuntimeError",
+        "[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5",
+        time=100.0,
+    )
     outcome = Outcome(results={1: Result(b"", 0)}, failures=[root], finished_at={1: 100.2})
-    assert "Before that, rank 1 (sys.exit(0)) had already exited early" in str(rank_failed_error(outcome))
+    assert "Before that, rank 1 (sys.exit(0)) had already exited early" in str(
+        rank_failed_error(outcome)
+    )
     # A failure of its own (not a closed connection) after a peer returned later: not blamed.
     own = RankFailure(0, 11, 1, "ValueError", "bad batch", time=100.0)
     outcome = Outcome(results={1: Result(b"", None)}, failures=[own], finished_at={1: 100.2})
@@ -305,13 +354,22 @@ def test_a_rank_failing_on_its_own_is_the_cause_even_when_a_peers_closed_connect
     from notebook_launcher.launcher.rank_group import Outcome
     from notebook_launcher.launcher.report import rank_failed_error
 
-    mesh = RankFailure(3, 13, 1, "RuntimeError", "Gloo connectFullMesh failed with [pair.cc:144] no error", time=100.0)
+    mesh = RankFailure(
+        3,
+        13,
+        1,
+        "RuntimeError",
+        "Gloo connectFullMesh failed with [pair.cc:144] no error",
+        time=100.0,
+    )
     own = RankFailure(6, 16, 1, "OSError", "shard 45 is unreadable", time=100.3)
     message = str(rank_failed_error(Outcome(failures=[mesh, own])))
     assert message.startswith("Rank 6 (pid 16) raised OSError: shard 45 is unreadable.")
     assert "Afterwards, rank 3 (pid 13) raised RuntimeError: Gloo connectFullMesh failed" in message
     # Alone, the closed connection is still what is reported.
-    assert str(rank_failed_error(Outcome(failures=[mesh]))).startswith("Rank 3 (pid 13) raised RuntimeError")
+    assert str(rank_failed_error(Outcome(failures=[mesh]))).startswith(
+        "Rank 3 (pid 13) raised RuntimeError"
+    )
 
 
 def test_each_later_failure_is_one_sentence_with_one_full_stop():
@@ -357,16 +415,23 @@ def make_gpu_results():
 def test_returned_tensors_come_back_on_the_cpu_unless_asked_to_keep_them(method, leak_check):
     moved = notebook_launcher(make_gpu_results, num_processes=1, start_method=method)
     assert type(moved["weights"]) is torch.Tensor and moved["weights"].tolist() == [1.0, 1.0]
-    kept = notebook_launcher(make_gpu_results, num_processes=1, start_method=method, keep_result_devices=True)
+    kept = notebook_launcher(
+        make_gpu_results, num_processes=1, start_method=method, keep_result_devices=True
+    )
     assert type(kept["weights"]) is PretendCudaTensor
 
 
 def test_auto_notices_a_cuda_driver_loaded_by_another_library(monkeypatch, capfd, leak_check):
     fake_maps = "7f3a00000000-7f3a00200000 r-xp 00000000 08:01 42 /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15\n"
-    monkeypatch.setattr(start_method, "_read_own_maps", lambda: fake_maps)  # cupy, numba... loaded it
+    monkeypatch.setattr(
+        start_method, "_read_own_maps", lambda: fake_maps
+    )  # cupy, numba... loaded it
     assert notebook_launcher(os.getpid, num_processes=1) != os.getpid()
     _, err = capfd.readouterr()
-    assert "using start_method='forkserver' because the CUDA driver was initialised in this kernel (libcuda is loaded" in err
+    assert (
+        "using start_method='forkserver' because the CUDA driver was initialised in this kernel (libcuda is loaded"
+        in err
+    )
 
 
 class Collector:
@@ -398,7 +463,9 @@ def test_launch_finished_follows_an_observer_that_raises(leak_check):
     broken, watching = Collector(fail_on=RankStarted), Collector()
     with pytest.raises(RuntimeError, match="the dashboard broke"):
         notebook_launcher(time.sleep, (30,), num_processes=2, observers=[broken, watching])
-    assert isinstance(watching.events[-1], LaunchFinished) and watching.events[-1].outcome == "error"
+    assert (
+        isinstance(watching.events[-1], LaunchFinished) and watching.events[-1].outcome == "error"
+    )
     assert registry.list_launches() == []
 
 

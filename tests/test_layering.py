@@ -130,7 +130,9 @@ def _describe(group: list[str]) -> str:
     for module in group:
         for target, line in sorted(GRAPH[module].items()):
             if target in group:
-                lines.append(f"  {MODULES[module][0].relative_to(PACKAGE.parent)}:{line} imports {target}")
+                lines.append(
+                    f"  {MODULES[module][0].relative_to(PACKAGE.parent)}:{line} imports {target}"
+                )
     return "\n".join(lines)
 
 
@@ -162,7 +164,9 @@ def test_the_import_parser_sees_every_kind_of_import() -> None:
         "    import ipywidgets.widgets\n"
     )
     tree = ast.parse(source)
-    names = {_owner(n) or n for n, _ in _imported_names("notebook_launcher.launcher.x", False, tree)}
+    names = {
+        _owner(n) or n for n, _ in _imported_names("notebook_launcher.launcher.x", False, tree)
+    }
     assert names == {
         "typing",
         "notebook_launcher.errors",
@@ -173,11 +177,18 @@ def test_the_import_parser_sees_every_kind_of_import() -> None:
         "notebook_launcher.launcher.rank",
         "ipywidgets.widgets",
     }
-    assert _cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [
+        ["a", "b", "c"]
+    ]
 
 
 def test_the_graph_covers_the_package() -> None:
-    assert {"notebook_launcher", LAUNCHER, "notebook_launcher.launcher.rank", "notebook_launcher.rules"} <= set(GRAPH)
+    assert {
+        "notebook_launcher",
+        LAUNCHER,
+        "notebook_launcher.launcher.rank",
+        "notebook_launcher.rules",
+    } <= set(GRAPH)
     assert "notebook_launcher.rules" in GRAPH["notebook_launcher.hardware"]
 
 
@@ -186,12 +197,18 @@ def test_no_module_imports_one_that_imports_it_back() -> None:
     assert cycles == [], "import cycles:\n" + "\n".join(_describe(g) for g in cycles)
 
 
-@pytest.mark.parametrize("module", sorted(m for m in MODULES if m == LAUNCHER or m.startswith(f"{LAUNCHER}.")))
+@pytest.mark.parametrize(
+    "module", sorted(m for m in MODULES if m == LAUNCHER or m.startswith(f"{LAUNCHER}."))
+)
 def test_the_launcher_knows_no_ui(module: str) -> None:
     reached = _reach(module)
     found = {}
     for banned in NOT_BELOW_LAUNCHER:
-        chains = [chain for name, chain in reached.items() if name == banned or name.startswith(f"{banned}.")]
+        chains = [
+            chain
+            for name, chain in reached.items()
+            if name == banned or name.startswith(f"{banned}.")
+        ]
         if chains:
             found[banned] = " -> ".join(min(chains, key=len))
     assert found == {}, f"{module} reaches what is built on the launcher: {found}"

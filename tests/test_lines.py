@@ -64,7 +64,9 @@ def test_lines_get_the_rank_prefix_and_their_stream():
 
 
 def test_torchrun_style_prefix_templates_are_honoured():
-    out, _ = capture(TextPrinter(prefix_template="<${role_name}:${rank}> "), OutputLine(3, "stdout", "x", False))
+    out, _ = capture(
+        TextPrinter(prefix_template="<${role_name}:${rank}> "), OutputLine(3, "stdout", "x", False)
+    )
     assert out == "<default:3> x\n"
 
 
@@ -81,8 +83,14 @@ def test_main_mode_shows_rank_zero_only_and_none_shows_nothing():
 
 
 def test_a_start_method_fallback_is_told_in_one_line():
-    _, err = capture(TextPrinter(), LaunchStarted(2, "forkserver", "cuda", "no", "CUDA was initialised in this kernel"))
-    assert err == "notebook_launcher: using start_method='forkserver' because CUDA was initialised in this kernel.\n"
+    _, err = capture(
+        TextPrinter(),
+        LaunchStarted(2, "forkserver", "cuda", "no", "CUDA was initialised in this kernel"),
+    )
+    assert (
+        err
+        == "notebook_launcher: using start_method='forkserver' because CUDA was initialised in this kernel.\n"
+    )
 
 
 def test_one_huge_line_without_a_newline_is_never_copied_while_it_grows():

@@ -43,7 +43,9 @@ def test_hundreds_of_metrics_logged_every_tenth_call_come_back_as_logged():
 
 
 def test_the_usual_batch_is_one_array_per_metric():
-    batch = MetricBatch.of_calls(list(range(1000)), [{"loss": 1 / (s + 1), "lr": 0.1} for s in range(1000)])
+    batch = MetricBatch.of_calls(
+        list(range(1000)), [{"loss": 1 / (s + 1), "lr": 0.1} for s in range(1000)]
+    )
     assert [column.calls for column in batch.columns.values()] == [None, None]
     assert batch.steps_of(batch.columns["loss"]) is batch.steps
     assert batch.steps.typecode == "q" and batch.columns["loss"].values.typecode == "d"
@@ -78,5 +80,13 @@ def test_a_step_travels_as_an_int_a_finite_float_or_none():
     import numpy as np
     import torch
 
-    assert [step_of(s) for s in (3, np.int64(4), torch.tensor(5), 2.5, np.float32(0.5))] == [3, 4, 5, 2.5, 0.5]
-    assert [step_of(s) for s in (None, "7", b"7", math.nan, math.inf, lambda: 1, object())] == [None] * 7
+    assert [step_of(s) for s in (3, np.int64(4), torch.tensor(5), 2.5, np.float32(0.5))] == [
+        3,
+        4,
+        5,
+        2.5,
+        0.5,
+    ]
+    assert [step_of(s) for s in (None, "7", b"7", math.nan, math.inf, lambda: 1, object())] == [
+        None
+    ] * 7

@@ -64,7 +64,11 @@ def run_two_nodes(
     nodes = [
         subprocess.Popen(
             [sys.executable, str(script), backend, str(node_rank), endpoint, str(fail_rank)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=tmp_path,
         )
         for node_rank in (0, 1)
     ]
@@ -80,7 +84,11 @@ def run_two_nodes(
     return done
 
 
-def tagged(node: subprocess.CompletedProcess[str], tag: str, nodes: list[subprocess.CompletedProcess[str]] | None = None) -> dict:
+def tagged(
+    node: subprocess.CompletedProcess[str],
+    tag: str,
+    nodes: list[subprocess.CompletedProcess[str]] | None = None,
+) -> dict:
     """The one line ``tag`` printed by ``node``; where it is missing, the failure shows what
     every machine of ``nodes`` printed (one machine's failure is often another's cause)."""
     lines = [line for line in node.stdout.splitlines() if line.startswith(tag + " ")]
@@ -102,7 +110,8 @@ def test_two_machines_on_loopback_get_global_ranks_through_the_rendezvous(tmp_pa
         group_of_node.append(group)
         # This machine's ranks: global rank = group_rank * num_processes + local_rank.
         assert [(v["rank"], v["local_rank"], v["group_rank"]) for v in values] == [
-            (group * 2, 0, group), (group * 2 + 1, 1, group)
+            (group * 2, 0, group),
+            (group * 2 + 1, 1, group),
         ]
         assert all(v["world_size"] == 4 and v["sum"] == 6.0 for v in values)
         # Rank 0's value where this machine holds rank 0, else its own first rank's.
@@ -156,22 +165,37 @@ def test_both_machines_restart_together_after_a_failure(tmp_path):
     nodes = run_two_nodes(tmp_path, "static", source=RESTARTING_NODE)
     assert tagged(nodes[0], "RESULT", nodes) == [[0, 1, 6.0], [1, 1, 6.0]]
     assert tagged(nodes[1], "RESULT", nodes) == [[2, 1, 6.0], [3, 1, 6.0]]
-    assert "restart 1 of 2: rank 3 failed with ValueError: the first attempt of rank 3 fails" in nodes[1].stderr
+    assert (
+        "restart 1 of 2: rank 3 failed with ValueError: the first attempt of rank 3 fails"
+        in nodes[1].stderr
+    )
     assert "restart 1 of 2: rank " in nodes[0].stderr
 
 
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
-        ({"num_nodes": 2, "node_rank": 2}, r"node_rank=2 but num_nodes=2: node ranks run from 0 to 1\."),
+        (
+            {"num_nodes": 2, "node_rank": 2},
+            r"node_rank=2 but num_nodes=2: node ranks run from 0 to 1\.",
+        ),
         ({"num_nodes": 0}, r"num_nodes must be at least 1; got 0\."),
         ({"num_nodes": "2"}, r"num_nodes must be a whole number; got str '2'\."),
         ({"rdzv_backend": "etcd"}, r"rdzv_backend='etcd' is not known; use 'static'"),
         ({"rdzv_conf": ["timeout"]}, r"rdzv_conf must be a dict such as"),
-        ({"rdzv_conf": {"join_timeout": -5}}, r"rdzv_conf\['join_timeout'\] must be a positive number"),
+        (
+            {"rdzv_conf": {"join_timeout": -5}},
+            r"rdzv_conf\['join_timeout'\] must be a positive number",
+        ),
         ({"rdzv_id": ""}, r"rdzv_id must be a non-empty string"),
-        ({"rdzv_conf": {"read_timeout": 5}}, r"rdzv_conf has 'read_timeout', which this launcher does not use \(it would be ignored\); the keys it reads are join_timeout, "),
-        ({"num_nodes": 2, "rdzv_endpoint": "10.0.0.1:port"}, r"rdzv_endpoint='10.0.0.1:port' is not a 'host:port' address"),
+        (
+            {"rdzv_conf": {"read_timeout": 5}},
+            r"rdzv_conf has 'read_timeout', which this launcher does not use \(it would be ignored\); the keys it reads are join_timeout, ",
+        ),
+        (
+            {"num_nodes": 2, "rdzv_endpoint": "10.0.0.1:port"},
+            r"rdzv_endpoint='10.0.0.1:port' is not a 'host:port' address",
+        ),
     ],
 )
 def test_bad_multi_node_arguments_are_refused_before_anything_starts(arguments, message):
@@ -181,9 +205,16 @@ def test_bad_multi_node_arguments_are_refused_before_anything_starts(arguments, 
 
 def test_a_machine_that_cannot_reach_the_rendezvous_says_so(leak_check):
     endpoint = f"127.0.0.1:{free_port()}"  # nobody hosts it
-    with pytest.raises(RendezvousError, match=r"node_rank=1 could not reach the rendezvous store at 127\.0\.0\.1:\d+ within join_timeout=2s \(nothing listens there yet\)\. Start the launch on the machine that hosts it too"):
+    with pytest.raises(
+        RendezvousError,
+        match=r"node_rank=1 could not reach the rendezvous store at 127\.0\.0\.1:\d+ within join_timeout=2s \(nothing listens there yet\)\. Start the launch on the machine that hosts it too",
+    ):
         notebook_launcher(
-            print, num_processes=1, num_nodes=2, node_rank=1, rdzv_endpoint=endpoint,
+            print,
+            num_processes=1,
+            num_nodes=2,
+            node_rank=1,
+            rdzv_endpoint=endpoint,
             rdzv_conf={"join_timeout": 2},
         )
 
@@ -196,6 +227,10 @@ def test_one_machine_with_an_endpoint_goes_through_the_rendezvous(leak_check):
 
     for backend in ("static", "c10d"):
         addr, world, group = notebook_launcher(
-            where, num_processes=2, rdzv_backend=backend, rdzv_endpoint=endpoint, start_method="fork"
+            where,
+            num_processes=2,
+            rdzv_backend=backend,
+            rdzv_endpoint=endpoint,
+            start_method="fork",
         )
         assert (addr, world, group) == ("127.0.0.1", "2", "0")

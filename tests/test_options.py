@@ -52,7 +52,9 @@ def test_unknown_mixed_precision(leak_check):
 
 
 def test_precision_the_hardware_cannot_run(leak_check):
-    with pytest.raises(LaunchConfigError, match=r"mixed_precision='fp8' cannot run here: fp8 needs a Hopper"):
+    with pytest.raises(
+        LaunchConfigError, match=r"mixed_precision='fp8' cannot run here: fp8 needs a Hopper"
+    ):
         notebook_launcher(never_called, mixed_precision="fp8", hardware="cpu")
 
 
@@ -132,7 +134,9 @@ def test_unpicklable_closure_variable_is_named(leak_check):
     def uses_a_lock():
         return lock
 
-    with pytest.raises(LaunchConfigError, match=r"uses the closure variable 'lock' \(a _thread\.RLock\)"):
+    with pytest.raises(
+        LaunchConfigError, match=r"uses the closure variable 'lock' \(a _thread\.RLock\)"
+    ):
         notebook_launcher(uses_a_lock, start_method="spawn")
 
 
@@ -157,8 +161,16 @@ def test_cuda_requested_without_a_gpu(monkeypatch, tmp_path):
 @pytest.mark.parametrize(
     ("argument", "value", "message"),
     [
-        ("timeout", 0, r"timeout must be a positive number of seconds; got 0\. Pass e\.g\. timeout=600, or leave it None for no limit\."),
-        ("monitor_interval", "fast", r"monitor_interval must be a number of seconds; got str 'fast'\. Pass e\.g\. monitor_interval=0\.1\."),
+        (
+            "timeout",
+            0,
+            r"timeout must be a positive number of seconds; got 0\. Pass e\.g\. timeout=600, or leave it None for no limit\.",
+        ),
+        (
+            "monitor_interval",
+            "fast",
+            r"monitor_interval must be a number of seconds; got str 'fast'\. Pass e\.g\. monitor_interval=0\.1\.",
+        ),
         ("output", "loud", r"output='loud' is not an output mode; use 'all'"),
         ("hardware", "gpu", r"hardware='gpu' is not known; use one of 'auto', 'cpu', 'cuda'"),
         ("log_line_prefix_template", 3, r"log_line_prefix_template must be a string"),
@@ -171,7 +183,10 @@ def test_other_bad_values(argument, value, message):
 
 def test_a_launch_from_inside_a_rank_is_refused(monkeypatch):
     monkeypatch.setenv("NOTEBOOK_LAUNCHER_LAUNCH_ID", "abc")
-    with pytest.raises(LaunchConfigError, match=r"called inside a rank of a running launch; launches cannot be nested"):
+    with pytest.raises(
+        LaunchConfigError,
+        match=r"called inside a rank of a running launch; launches cannot be nested",
+    ):
         notebook_launcher(never_called)
 
 
@@ -179,12 +194,17 @@ def test_saved_defaults_fill_what_the_call_leaves_out(tmp_path, monkeypatch, lea
     from notebook_launcher.defaults import LaunchDefaults, save_defaults
 
     monkeypatch.setenv("JUPYTER_CONFIG_DIR", str(tmp_path))
-    save_defaults(LaunchDefaults(num_processes=1, mixed_precision="bf16", start_method="forkserver"))
-    seen = notebook_launcher(lambda: (os.environ["WORLD_SIZE"], os.environ["ACCELERATE_MIXED_PRECISION"]))
+    save_defaults(
+        LaunchDefaults(num_processes=1, mixed_precision="bf16", start_method="forkserver")
+    )
+    seen = notebook_launcher(
+        lambda: (os.environ["WORLD_SIZE"], os.environ["ACCELERATE_MIXED_PRECISION"])
+    )
     assert seen == ("1", "bf16")
     explicit = notebook_launcher(
         lambda: (os.environ["WORLD_SIZE"], os.environ["ACCELERATE_MIXED_PRECISION"]),
-        num_processes=2, mixed_precision="no",
+        num_processes=2,
+        mixed_precision="no",
     )
     assert explicit == ("2", "no")
     monkeypatch.undo()

@@ -19,15 +19,24 @@ from notebook_launcher.launcher.plan import LaunchCall, resolve_plan
 from notebook_launcher.launcher.start_method import KernelState
 
 CPU = HardwareReport(
-    cpu_count=2, gpus=(), driver_version=None, tpu_cores=0, mps_available=False,
-    platform="local", python_version="3.11", torch_version="2.13.0", torch_xla_version=None,
+    cpu_count=2,
+    gpus=(),
+    driver_version=None,
+    tpu_cores=0,
+    mps_available=False,
+    platform="local",
+    python_version="3.11",
+    torch_version="2.13.0",
+    torch_xla_version=None,
 )
 T4 = dataclasses.replace(CPU, gpus=(GpuInfo(0, "Tesla T4", 15360, "7.5"),))
 CLEAN = KernelState()
 PATH = Path("/config/notebook_launcher/defaults.json")
 
 
-def layered(kernel: dict[str, object] | None = None, file: dict[str, object] | None = None) -> d.EffectiveDefaults:
+def layered(
+    kernel: dict[str, object] | None = None, file: dict[str, object] | None = None
+) -> d.EffectiveDefaults:
     values: dict[str, object] = {}
     sources: dict[str, str] = {}
     for layer, source in ((file or {}, d.FILE), (kernel or {}, d.KERNEL)):
@@ -39,20 +48,31 @@ def layered(kernel: dict[str, object] | None = None, file: dict[str, object] | N
 NONE = layered()
 
 
-def resolve(defaults: d.EffectiveDefaults = NONE, report: HardwareReport = CPU,
-            kernel: KernelState = CLEAN, **call: object):
+def resolve(
+    defaults: d.EffectiveDefaults = NONE,
+    report: HardwareReport = CPU,
+    kernel: KernelState = CLEAN,
+    **call: object,
+):
     return resolve_plan(LaunchCall(**call), defaults, report, kernel)
 
 
 def test_a_plain_call_on_a_cpu_machine() -> None:
     plan = resolve()
-    assert (plan.backend, plan.num_processes, plan.accelerator, plan.mixed_precision) == ("local", 2, "cpu", "no")
+    assert (plan.backend, plan.num_processes, plan.accelerator, plan.mixed_precision) == (
+        "local",
+        2,
+        "cpu",
+        "no",
+    )
     assert plan.start.method == "fork" and plan.world_size == 2 and plan.global_rank(1) == 1
     assert plan.keep_result_devices is False and plan.threads_per_rank == 1
 
 
 def test_defaults_fill_what_the_call_leaves_out_and_the_call_wins() -> None:
-    defaults = layered(kernel={"num_processes": 1}, file={"mixed_precision": "bf16", "num_processes": 2})
+    defaults = layered(
+        kernel={"num_processes": 1}, file={"mixed_precision": "bf16", "num_processes": 2}
+    )
     plan = resolve(defaults)
     assert (plan.num_processes, plan.mixed_precision) == (1, "bf16")
     assert resolve(defaults, num_processes=2, mixed_precision="no").mixed_precision == "no"
@@ -76,8 +96,10 @@ def test_a_refused_value_from_the_file_names_the_file() -> None:
 
 def test_a_refused_value_from_configure_names_configure() -> None:
     with pytest.raises(LaunchConfigError) as caught:
-        resolve(layered(kernel={"start_method": "fork"}, file={"start_method": "spawn"}),
-                kernel=KernelState(cuda_initialized=True))
+        resolve(
+            layered(kernel={"start_method": "fork"}, file={"start_method": "spawn"}),
+            kernel=KernelState(cuda_initialized=True),
+        )
     assert str(caught.value).startswith("start_method='fork' cannot be used: CUDA was initialised")
     assert str(caught.value).endswith(
         "The value came from configure() in this kernel: pass the argument explicitly, or "
@@ -87,25 +109,63 @@ def test_a_refused_value_from_configure_names_configure() -> None:
 
 def test_a_cpu_rank_count_past_the_limit_is_refused_up_front() -> None:
     for value in (10**6, 10**30):
-        with pytest.raises(LaunchConfigError, match=rf"^num_processes={value} is more CPU ranks than this machine can run: at most \d+ \("):
+        with pytest.raises(
+            LaunchConfigError,
+            match=rf"^num_processes={value} is more CPU ranks than this machine can run: at most \d+ \(",
+        ):
             resolve(num_processes=value)
-    with pytest.raises(LaunchConfigError, match=r"Use num_processes<=\d+\. The value came from your saved launch defaults"):
+    with pytest.raises(
+        LaunchConfigError,
+        match=r"Use num_processes<=\d+\. The value came from your saved launch defaults",
+    ):
         resolve(layered(file={"num_processes": 10**9}))
 
 
 @pytest.mark.parametrize(
     ("argument", "value", "error", "message"),
     [
-        ("timeout", "10", LaunchTypeError, "timeout must be a number of seconds; got str '10'. Pass e.g. timeout=600, or leave it None for no limit."),
-        ("timeout", -1, LaunchConfigError, "timeout must be a positive number of seconds; got -1. Pass e.g. timeout=600, or leave it None for no limit."),
-        ("timeout", float("nan"), LaunchConfigError, "timeout must be a positive number of seconds; got nan. Pass e.g. timeout=600, or leave it None for no limit."),
+        (
+            "timeout",
+            "10",
+            LaunchTypeError,
+            "timeout must be a number of seconds; got str '10'. Pass e.g. timeout=600, or leave it None for no limit.",
+        ),
+        (
+            "timeout",
+            -1,
+            LaunchConfigError,
+            "timeout must be a positive number of seconds; got -1. Pass e.g. timeout=600, or leave it None for no limit.",
+        ),
+        (
+            "timeout",
+            float("nan"),
+            LaunchConfigError,
+            "timeout must be a positive number of seconds; got nan. Pass e.g. timeout=600, or leave it None for no limit.",
+        ),
         ("return_all", "yes", LaunchTypeError, "return_all must be True or False; got str 'yes'."),
-        ("keep_result_devices", None, LaunchTypeError, "keep_result_devices must be True or False; got NoneType None."),
-        ("backend", "slurm", LaunchConfigError, "backend='slurm' is not known; use one of 'auto', 'local', 'xla', 'ray' ('auto' picks by the hardware)."),
-        ("master_addr", "", LaunchTypeError, "master_addr must be a host name or IP address such as '127.0.0.1'; got ''."),
+        (
+            "keep_result_devices",
+            None,
+            LaunchTypeError,
+            "keep_result_devices must be True or False; got NoneType None.",
+        ),
+        (
+            "backend",
+            "slurm",
+            LaunchConfigError,
+            "backend='slurm' is not known; use one of 'auto', 'local', 'xla', 'ray' ('auto' picks by the hardware).",
+        ),
+        (
+            "master_addr",
+            "",
+            LaunchTypeError,
+            "master_addr must be a host name or IP address such as '127.0.0.1'; got ''.",
+        ),
     ],
 )
-def test_bad_values_say_what_to_pass(argument: str, value: object, error: type, message: str) -> None:
+def test_bad_values_say_what_to_pass(
+    argument: str, value: object, error: type, message: str
+) -> None:
     with pytest.raises(error) as caught:
         resolve(**{argument: value})
     assert str(caught.value) == message
@@ -113,28 +173,53 @@ def test_bad_values_say_what_to_pass(argument: str, value: object, error: type, 
 
 def test_choices_are_spelled_as_the_server_accepts_them() -> None:
     plan = resolve(mixed_precision="BF16", start_method="Spawn", output="MAIN", hardware="CPU")
-    assert (plan.mixed_precision, plan.start.method, plan.output, plan.accelerator) == ("bf16", "spawn", "main", "cpu")
+    assert (plan.mixed_precision, plan.start.method, plan.output, plan.accelerator) == (
+        "bf16",
+        "spawn",
+        "main",
+        "cpu",
+    )
 
 
 def test_auto_takes_the_forkserver_when_a_library_loaded_the_cuda_driver() -> None:
     maps = "7f0 r-xp 0 08:01 42 /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15\n"
-    kernel = KernelState.detect(platform="linux", available=["fork", "spawn", "forkserver"], read_maps=lambda: maps)
+    kernel = KernelState.detect(
+        platform="linux", available=["fork", "spawn", "forkserver"], read_maps=lambda: maps
+    )
     assert kernel.cuda_driver_loaded and not kernel.cuda_initialized
     plan = resolve(kernel=kernel)
     assert plan.start.method == "forkserver"
-    assert plan.start.fallback_reason.startswith("the CUDA driver was initialised in this kernel (libcuda is loaded: ")
-    clean = KernelState.detect(platform="linux", available=["fork", "spawn", "forkserver"], read_maps=lambda: "")
+    assert plan.start.fallback_reason.startswith(
+        "the CUDA driver was initialised in this kernel (libcuda is loaded: "
+    )
+    clean = KernelState.detect(
+        platform="linux", available=["fork", "spawn", "forkserver"], read_maps=lambda: ""
+    )
     assert resolve(kernel=clean).start.method == "fork"
 
 
 def test_no_message_ends_a_sentence_twice() -> None:
     bad_calls = [
-        {"num_processes": 0}, {"num_processes": 10**6}, {"mixed_precision": "fp8"},
-        {"timeout": -1}, {"timeout": "10"}, {"use_port": "http"}, {"output": "loud"},
-        {"hardware": "gpu"}, {"start_method": "thread"}, {"num_nodes": 0}, {"max_restarts": -1}, {"backend": "x"},
+        {"num_processes": 0},
+        {"num_processes": 10**6},
+        {"mixed_precision": "fp8"},
+        {"timeout": -1},
+        {"timeout": "10"},
+        {"use_port": "http"},
+        {"output": "loud"},
+        {"hardware": "gpu"},
+        {"start_method": "thread"},
+        {"num_nodes": 0},
+        {"max_restarts": -1},
+        {"backend": "x"},
     ]
     for call in bad_calls:
         with pytest.raises(LaunchConfigError) as caught:
-            resolve(layered(file={"mixed_precision": "fp8"}) if call == {"mixed_precision": "fp8"} else NONE, **call)
+            resolve(
+                layered(file={"mixed_precision": "fp8"})
+                if call == {"mixed_precision": "fp8"}
+                else NONE,
+                **call,
+            )
         text = str(caught.value)
         assert not re.search(r"\.[.;,]|;\.", text.replace("...", "")), text

@@ -26,13 +26,21 @@ from notebook_launcher.launcher.run import rank_specs
 from notebook_launcher.launcher.start_method import KernelState
 
 CPU = HardwareReport(
-    cpu_count=2, gpus=(), driver_version=None, tpu_cores=0, mps_available=False,
-    platform="local", python_version="3.11", torch_version="2.13.0", torch_xla_version=None,
+    cpu_count=2,
+    gpus=(),
+    driver_version=None,
+    tpu_cores=0,
+    mps_available=False,
+    platform="local",
+    python_version="3.11",
+    torch_version="2.13.0",
+    torch_xla_version=None,
 )
 PLAN = resolve_plan(
     LaunchCall(num_processes=2, monitor_interval=0.01),
     EffectiveDefaults(LaunchDefaults(), {}, None),  # type: ignore[arg-type]
-    CPU, KernelState(),
+    CPU,
+    KernelState(),
 )
 
 
@@ -77,8 +85,15 @@ def test_a_rank_that_will_not_die_is_reported_not_waited_for() -> None:
     controls: list[StuckControl] = []
     backend = FakeBackend(lambda spec, ends: controls.append(StuckControl()) or controls[-1])
     events: list[Any] = []
-    group = RankGroup(PLAN, backend, rank_specs(PLAN, "stuck", 1), events.append,
-                      launch_id=uuid.uuid4().hex, grace_s=0.01, kill_wait_s=0.01)
+    group = RankGroup(
+        PLAN,
+        backend,
+        rank_specs(PLAN, "stuck", 1),
+        events.append,
+        launch_id=uuid.uuid4().hex,
+        grace_s=0.01,
+        kill_wait_s=0.01,
+    )
     group.start(payload=None)
     assert [r.state for r in group.ranks] == [RankState.RUNNING, RankState.RUNNING]
     with pytest.warns(LaunchCleanupWarning) as caught:
@@ -100,7 +115,11 @@ class ThreadRank(RankControl):
         self.pid = None
         self._rank = rank
         dup = lambda c: Connection(os.dup(c.fileno()), readable=c.readable, writable=c.writable)  # noqa: E731
-        self._out, self._channel, self._commands = dup(ends.stdout), dup(ends.channel), dup(ends.commands)
+        self._out, self._channel, self._commands = (
+            dup(ends.stdout),
+            dup(ends.channel),
+            dup(ends.commands),
+        )
         self._thread = threading.Thread(target=self._serve)
         self._thread.start()
 
@@ -130,12 +149,18 @@ class ThreadRank(RankControl):
 def test_a_group_is_driven_command_by_command_and_watched_between() -> None:
     before = open_fds()
     events: list[Any] = []
-    group = RankGroup(PLAN, FakeBackend(lambda spec, ends: ThreadRank(spec.rank, ends)),
-                      rank_specs(PLAN, "session", 1), events.append,
-                      launch_id=uuid.uuid4().hex, with_commands=True)
+    group = RankGroup(
+        PLAN,
+        FakeBackend(lambda spec, ends: ThreadRank(spec.rank, ends)),
+        rank_specs(PLAN, "session", 1),
+        events.append,
+        launch_id=uuid.uuid4().hex,
+        with_commands=True,
+    )
     group.start(payload=None)
     assert [e for e in events if isinstance(e, RankStarted)] == [
-        RankStarted(0, None, "cpu"), RankStarted(1, None, "cpu")
+        RankStarted(0, None, "cpu"),
+        RankStarted(1, None, "cpu"),
     ]
     answers: dict[int, list[Any]] = {0: [], 1: []}
 
@@ -145,7 +170,9 @@ def test_a_group_is_driven_command_by_command_and_watched_between() -> None:
     for k in range(3):
         for rank in range(2):
             group.send(rank, k)
-        group.run(until=lambda k=k: all(len(a) == k + 1 for a in answers.values()), on_message=on_message)
+        group.run(
+            until=lambda k=k: all(len(a) == k + 1 for a in answers.values()), on_message=on_message
+        )
         assert all(r.alive for r in group.ranks)  # still running between commands
         group.watch()
     assert answers == {0: [0, 1, 2], 1: [0, 1, 2]}
@@ -193,8 +220,13 @@ def test_a_finished_group_stops_multiplexing_at_once(leak_check):
         def start(self, *args):  # type: ignore[no-untyped-def]
             return [ReapedBeforeItsSentinelIsSeen(c) for c in super().start(*args)]
 
-    group = RankGroup(PLAN, Local(), rank_specs(PLAN, uuid.uuid4().hex, 1), lambda event: None,
-                      launch_id=uuid.uuid4().hex)
+    group = RankGroup(
+        PLAN,
+        Local(),
+        rank_specs(PLAN, uuid.uuid4().hex, 1),
+        lambda event: None,
+        launch_id=uuid.uuid4().hex,
+    )
     passes = 0
     watch = group.watch
 

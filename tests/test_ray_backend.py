@@ -31,8 +31,12 @@ pytestmark = [
 ]
 
 # Multi-node clusters off: Ray keeps the node address 127.0.0.1 and binds loopback alone.
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo",
-           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+}
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -114,7 +118,9 @@ def all_reduce_and_talk(scale):
 
 
 def test_ray_ranks_return_values_and_stream_their_output(capfd, no_actor_left):
-    values = notebook_launcher(all_reduce_and_talk, (10,), num_processes=2, backend="ray", return_all=True)
+    values = notebook_launcher(
+        all_reduce_and_talk, (10,), num_processes=2, backend="ray", return_all=True
+    )
     assert values == [(0, 30.0), (1, 30.0)]
     assert notebook_launcher(all_reduce_and_talk, (1,), num_processes=2, backend="ray") == (0, 3.0)
     out, err = capfd.readouterr()
@@ -149,9 +155,11 @@ def test_a_failing_ray_rank_is_named_with_its_traceback_and_type(no_actor_left):
     error = caught.value
     assert isinstance(error, RankFailedError)
     assert str(error).startswith("Rank 1 (pid ")
-    assert "raised KeyError: \"no such column: 'label'\". The other ranks were stopped." in str(error)
+    assert "raised KeyError: \"no such column: 'label'\". The other ranks were stopped." in str(
+        error
+    )
     assert "Traceback from rank 1:" in str(error)
-    assert 'in fails_on_rank_1\n    raise KeyError("no such column: \'label\'")' in str(error)
+    assert "in fails_on_rank_1\n    raise KeyError(\"no such column: 'label'\")" in str(error)
     assert [f.rank for f in error.failures] == [1]  # rank 0 was stopped: it did not fail
 
 
@@ -167,7 +175,9 @@ class InterruptWhenBothStarted:
         if isinstance(event, OutputLine) and event.text == "started":
             self.started.add(event.rank)
             if self.started == {0, 1}:
-                self.pressed.append(f"{threading.current_thread().name}: {signal.getsignal(signal.SIGINT)!r}")
+                self.pressed.append(
+                    f"{threading.current_thread().name}: {signal.getsignal(signal.SIGINT)!r}"
+                )
                 signal.pthread_kill(self.main, signal.SIGINT)
 
 
@@ -190,7 +200,11 @@ class KillActorOfRank1:
     """Kills rank 1's actor (the Ray worker that forked it) from outside, once it waits."""
 
     def on_event(self, event):
-        if isinstance(event, OutputLine) and event.rank == 1 and event.text.startswith("waiting under "):
+        if (
+            isinstance(event, OutputLine)
+            and event.rank == 1
+            and event.text.startswith("waiting under ")
+        ):
             os.kill(int(event.text.split()[-1]), signal.SIGKILL)
 
 
@@ -202,8 +216,13 @@ def print_parent_then_wait():
 def test_a_rank_whose_actor_is_killed_from_outside_is_named_with_its_node(no_actor_left):
     node_id = ray.get_runtime_context().get_node_id()
     with pytest.raises(RankFailedError) as caught:
-        notebook_launcher(print_parent_then_wait, num_processes=2, backend="ray", output="none",
-                          observers=[KillActorOfRank1()])
+        notebook_launcher(
+            print_parent_then_wait,
+            num_processes=2,
+            backend="ray",
+            output="none",
+            observers=[KillActorOfRank1()],
+        )
     assert str(caught.value).startswith(
         f"Rank 1 (pid {caught.value.failures[0].pid}) was lost: its Ray actor on node "
         f"{ray.util.get_node_ip_address()} (node id {node_id[:12]}) died while the node stayed in the "
@@ -219,9 +238,12 @@ def test_a_rank_lost_with_its_node_is_the_root_cause_ahead_of_its_peers_closed_c
     from notebook_launcher.launcher.report import rank_failed_error
 
     # The peer's collective fails at once; the kernel learns of the node a moment later.
-    peer = RankFailure(0, 11, 1, "RuntimeError", "[pair.cc:534] Connection closed by peer", time=100.0)
-    lost = RankFailure(1, 12, -9, lost="its Ray node 10.0.0.2 (node id 0123456789ab) left the cluster",
-                       time=101.0)
+    peer = RankFailure(
+        0, 11, 1, "RuntimeError", "[pair.cc:534] Connection closed by peer", time=100.0
+    )
+    lost = RankFailure(
+        1, 12, -9, lost="its Ray node 10.0.0.2 (node id 0123456789ab) left the cluster", time=101.0
+    )
     error = rank_failed_error(Outcome(failures=[peer, lost]))
     assert str(error).startswith(
         "Rank 1 (pid 12) was lost: its Ray node 10.0.0.2 (node id 0123456789ab) left the cluster. "
@@ -242,7 +264,9 @@ def test_more_ranks_than_the_cluster_can_place_is_an_error_at_once(no_actor_left
         notebook_launcher(print, num_processes=3, backend="ray")
 
 
-def test_ranks_that_other_work_keeps_from_their_cpus_fail_after_the_wait_naming_it(monkeypatch, no_actor_left):
+def test_ranks_that_other_work_keeps_from_their_cpus_fail_after_the_wait_naming_it(
+    monkeypatch, no_actor_left
+):
     from notebook_launcher.launcher.backends import ray as ray_backend
 
     @ray.remote(num_cpus=1)
@@ -267,7 +291,9 @@ def test_ranks_that_other_work_keeps_from_their_cpus_fail_after_the_wait_naming_
 def test_ray_refuses_multi_node_arguments_and_a_stray_address(cluster):
     with pytest.raises(LaunchUnsupportedError, match=r"backend='ray' with num_nodes=2: Ray places"):
         notebook_launcher(print, num_processes=1, num_nodes=2, backend="ray")
-    with pytest.raises(LaunchConfigError, match=r"ray_address='auto' is only used with backend='ray'"):
+    with pytest.raises(
+        LaunchConfigError, match=r"ray_address='auto' is only used with backend='ray'"
+    ):
         notebook_launcher(print, ray_address="auto")
 
 
@@ -315,7 +341,8 @@ def test_a_local_rank_crash_is_still_reported_after_ray_ran_in_the_kernel(tmp_pa
     """A kernel that joined a Ray cluster and left it keeps faulthandler enabled, under a
     SIGSEGV handler Ray took back: forked ranks must install faulthandler anew."""
     script = tmp_path / "crash.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os, signal, sys, time
         import ray
 
@@ -332,10 +359,15 @@ def test_a_local_rank_crash_is_still_reported_after_ray_ran_in_the_kernel(tmp_pa
             notebook_launcher(crash, num_processes=2, start_method="fork", output="none")
         except Exception as error:
             print("REPORT", "Fatal Python error: Segmentation fault" in str(error))
-    """))
+    """)
+    )
     address = ray.get_runtime_context().gcs_address
     done = subprocess.run(
-        [sys.executable, str(script), address], capture_output=True, text=True, timeout=900,
-        env={**os.environ, **RAY_ENV, "PYTHONPATH": str(ROOT)}, cwd=tmp_path,
+        [sys.executable, str(script), address],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, **RAY_ENV, "PYTHONPATH": str(ROOT)},
+        cwd=tmp_path,
     )
     assert "REPORT True" in done.stdout.splitlines(), done.stdout + done.stderr

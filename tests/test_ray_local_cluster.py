@@ -24,7 +24,9 @@ from .ray_cluster import favour
 
 pytestmark = [
     pytest.mark.ray,
-    pytest.mark.slow(reason="the launcher starts local Ray clusters (one that never starts, twice): 1.5 to 3 min"),
+    pytest.mark.slow(
+        reason="the launcher starts local Ray clusters (one that never starts, twice): 1.5 to 3 min"
+    ),
     pytest.mark.kernel,
 ]
 
@@ -68,7 +70,9 @@ STRANGER = textwrap.dedent("""
 @pytest.fixture
 def folders():
     # Ray's socket paths must stay under 107 bytes: short folders.
-    made = {name: tempfile.mkdtemp(prefix=name[0], dir="/tmp") for name in ("home", "ray", "stranger")}
+    made = {
+        name: tempfile.mkdtemp(prefix=name[0], dir="/tmp") for name in ("home", "ray", "stranger")
+    }
     yield made
     for path in made.values():
         shutil.rmtree(path, ignore_errors=True)
@@ -84,7 +88,9 @@ def listening(pid: int) -> list[tuple[str, str, int]]:
             connections = process.net_connections(kind="inet")
         except psutil.Error:
             continue
-        found += [(name, c.laddr.ip, c.laddr.port) for c in connections if c.status == psutil.CONN_LISTEN]
+        found += [
+            (name, c.laddr.ip, c.laddr.port) for c in connections if c.status == psutil.CONN_LISTEN
+        ]
     return found
 
 
@@ -95,8 +101,13 @@ def is_loopback(address: str) -> bool:
 
 
 def ask_gcs(address: str, token: str, folders: dict[str, str]) -> str:
-    done = subprocess.run([sys.executable, "-c", STRANGER, address, token], capture_output=True,
-                          text=True, env=stranger_env(folders), timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", STRANGER, address, token],
+        capture_output=True,
+        text=True,
+        env=stranger_env(folders),
+        timeout=600,
+    )
     return done.stdout.strip() or done.stderr
 
 
@@ -120,8 +131,13 @@ def launch_at(address: str, folders: dict[str, str]) -> str:
     # Without it Ray would rewrite 127.0.0.1 into the machine's outward address, on which
     # this cluster does not listen.
     env = {**stranger_env(folders), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": ROOT}
-    done = subprocess.run([sys.executable, "-c", script, address], capture_output=True, text=True,
-                          env=env, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", script, address],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     return done.stdout.strip() or done.stderr
 
 
@@ -149,9 +165,14 @@ def test_the_cluster_started_for_a_launch_listens_on_loopback_and_refuses_client
 ):
     # A start Ray gives up says so within a minute, and is run again (start_blocked_launch).
     # The user asked for no authentication: the cluster started for the launch has it anyway.
-    env = {"RAY_USAGE_STATS_ENABLED": "0", "GLOO_SOCKET_IFNAME": "lo", "HOME": folders["home"],
-           "RAY_TMPDIR": folders["ray"], "RAY_raylet_start_wait_time_s": "60",
-           "RAY_AUTH_MODE": "disabled"}
+    env = {
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "HOME": folders["home"],
+        "RAY_TMPDIR": folders["ray"],
+        "RAY_raylet_start_wait_time_s": "60",
+        "RAY_AUTH_MODE": "disabled",
+    }
     fifo = os.path.join(folders["ray"], "go")
     os.mkfifo(fifo)
     kernel = RunningKernel()
@@ -222,12 +243,16 @@ def test_a_local_cluster_that_does_not_start_fails_saying_where_ray_says_why(fol
         print("LEFT", [p.name() for p in psutil.Process().children(recursive=True)])
     """)
     env = {
-        **stranger_env(folders), "HOME": folders["home"], "RAY_TMPDIR": folders["ray"],
-        "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": f"{tmp_path}:{ROOT}",
+        **stranger_env(folders),
+        "HOME": folders["home"],
+        "RAY_TMPDIR": folders["ray"],
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PYTHONPATH": f"{tmp_path}:{ROOT}",
         "RAY_raylet_start_wait_time_s": "20",  # the user's own choice; the launcher keeps it
     }
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=env, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900
+    )
     logs = os.path.join(folders["ray"], "ray", "session_latest", "logs")
     lines = done.stdout.splitlines()
     assert lines[0] == (

@@ -24,7 +24,9 @@ from .ray_cluster import RAY_LOOPBACK_ENV, LoopbackRayCluster, RayNode, favour
 
 pytestmark = [
     pytest.mark.ray,
-    pytest.mark.slow(reason="starts a Ray cluster of two nodes, then a third, through a kernel: 1 to 2 min"),
+    pytest.mark.slow(
+        reason="starts a Ray cluster of two nodes, then a third, through a kernel: 1 to 2 min"
+    ),
     pytest.mark.kernel,
 ]
 
@@ -130,7 +132,9 @@ def test_two_ranks_are_placed_on_two_nodes_and_meet_through_the_kernels_store(ke
     assert cell.error is None, cell.error
     values = ast.literal_eval(cell.result)
     _head, first, second = cluster.nodes
-    assert sorted(raylet for raylet, _, _ in values) == sorted([first.raylet_pid, second.raylet_pid])
+    assert sorted(raylet for raylet, _, _ in values) == sorted(
+        [first.raylet_pid, second.raylet_pid]
+    )
     # Both reached the store on the kernel's master_addr and summed ranks 0 and 1 (1 + 2).
     assert [(addr, total) for _, addr, total in values] == [("127.0.0.1", 3.0), ("127.0.0.1", 3.0)]
     assert_nothing_left(kernel, cluster)
@@ -146,7 +150,9 @@ def test_a_node_lost_mid_launch_fails_naming_the_rank_and_its_node(kernel, clust
     seen = wait_for_output(kernel, msg_id, ["[rank0]: blocked", "[rank1]: blocked"]).stdout
     where = {
         int(rank): (int(pid), int(raylet))
-        for rank, pid, raylet in re.findall(r"\[rank(\d)\]: blocked: pid (\d+) under raylet (\d+)", seen)
+        for rank, pid, raylet in re.findall(
+            r"\[rank(\d)\]: blocked: pid (\d+) under raylet (\d+)", seen
+        )
     }
     assert sorted(where) == [0, 1], seen
     ranks = [psutil.Process(pid) for pid, _ in where.values()]

@@ -70,7 +70,9 @@ def test_a_zombie_kernel_counts_as_dead(runtime_dir):
     psutil.Process(kernel.pid)  # still there, unreaped
     while psutil.Process(kernel.pid).status() != psutil.STATUS_ZOMBIE:
         time.sleep(0.01)
-    record = LaunchRecord("aaa111", None, kernel.pid, 1, "cpu", "no", "fork", "running", time.time())
+    record = LaunchRecord(
+        "aaa111", None, kernel.pid, 1, "cpu", "no", "fork", "running", time.time()
+    )
     registry.RegisteredLaunch(record)
     assert registry.list_launches() == []
     kernel.wait()

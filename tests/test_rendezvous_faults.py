@@ -43,26 +43,45 @@ def held_port():
 def test_a_busy_endpoint_port_fails_at_once_naming_rdzv_endpoint(held_port, num_nodes, leak_check):
     endpoint = f"127.0.0.1:{held_port}"
     with pytest.raises(LaunchConfigError) as raised:
-        notebook_launcher(work, num_processes=1, num_nodes=num_nodes, timeout=600,
-                          rdzv_endpoint=endpoint)
+        notebook_launcher(
+            work, num_processes=1, num_nodes=num_nodes, timeout=600, rdzv_endpoint=endpoint
+        )
     message = str(raised.value)
-    assert message.startswith(f"rdzv_endpoint='{endpoint}': port {held_port} on 127.0.0.1 is already in use")
+    assert message.startswith(
+        f"rdzv_endpoint='{endpoint}': port {held_port} on 127.0.0.1 is already in use"
+    )
     assert "use_port" not in message
 
 
 def test_c10d_at_a_port_held_by_another_program_says_it_is_no_store(held_port, leak_check):
-    with pytest.raises(RendezvousError, match=r"the program listening on 127\.0\.0\.1:\d+ is not a rendezvous store"):
-        notebook_launcher(work, num_processes=1, rdzv_backend="c10d", timeout=600,
-                          rdzv_endpoint=f"127.0.0.1:{held_port}")
+    with pytest.raises(
+        RendezvousError,
+        match=r"the program listening on 127\.0\.0\.1:\d+ is not a rendezvous store",
+    ):
+        notebook_launcher(
+            work,
+            num_processes=1,
+            rdzv_backend="c10d",
+            timeout=600,
+            rdzv_endpoint=f"127.0.0.1:{held_port}",
+        )
 
 
 def test_timeout_bounds_the_wait_for_an_absent_rendezvous_store(capfd, leak_check):
     endpoint = f"127.0.0.1:{free_port()}"
-    with pytest.raises(LaunchTimeoutError, match=rf"node_rank=1 could not reach the rendezvous store at {endpoint} within timeout=3s \(the launch's limit, rendezvous included\)"):
-        notebook_launcher(work, num_processes=1, num_nodes=2, node_rank=1, rdzv_endpoint=endpoint, timeout=3)
+    with pytest.raises(
+        LaunchTimeoutError,
+        match=rf"node_rank=1 could not reach the rendezvous store at {endpoint} within timeout=3s \(the launch's limit, rendezvous included\)",
+    ):
+        notebook_launcher(
+            work, num_processes=1, num_nodes=2, node_rank=1, rdzv_endpoint=endpoint, timeout=3
+        )
     err = capfd.readouterr().err
     # Said in words while it waits, without torch's C++ stack traces for every try.
-    assert f"node_rank=1 waits for the rendezvous store at {endpoint} (nothing listens there yet; node_rank=0 hosts it)" in err
+    assert (
+        f"node_rank=1 waits for the rendezvous store at {endpoint} (nothing listens there yet; node_rank=0 hosts it)"
+        in err
+    )
     assert "frame #" not in err and "TCPStore.cpp" not in err
 
 
@@ -86,12 +105,22 @@ def store_that_vanishes():
     answering.join(timeout=60)
 
 
-def test_a_store_that_closes_after_answering_is_waited_for_not_called_closing(leak_check, store_that_vanishes):
+def test_a_store_that_closes_after_answering_is_waited_for_not_called_closing(
+    leak_check, store_that_vanishes
+):
     endpoint = f"127.0.0.1:{store_that_vanishes}"
     with pytest.raises(RendezvousTimeoutError) as raised:
-        notebook_launcher(work, num_processes=1, num_nodes=2, node_rank=1, rdzv_endpoint=endpoint,
-                          rdzv_conf={"join_timeout": 5})
-    assert f"could not reach the rendezvous store at {endpoint} within join_timeout=5s" in str(raised.value)
+        notebook_launcher(
+            work,
+            num_processes=1,
+            num_nodes=2,
+            node_rank=1,
+            rdzv_endpoint=endpoint,
+            rdzv_conf={"join_timeout": 5},
+        )
+    assert f"could not reach the rendezvous store at {endpoint} within join_timeout=5s" in str(
+        raised.value
+    )
     # The store was gone, not closing: the connect gave up with the probe, not at join_timeout.
     assert "it is closing" not in str(raised.value)
 
@@ -126,12 +155,20 @@ def store_that_closes_after_the_connect():
     answering.join(timeout=60)
 
 
-def test_a_store_that_closes_after_the_connect_is_waited_for(leak_check, store_that_closes_after_the_connect):
+def test_a_store_that_closes_after_the_connect_is_waited_for(
+    leak_check, store_that_closes_after_the_connect
+):
     port, asked = store_that_closes_after_the_connect
     endpoint = f"127.0.0.1:{port}"
     with pytest.raises(RendezvousTimeoutError) as raised:
-        notebook_launcher(work, num_processes=1, num_nodes=2, node_rank=1, rdzv_endpoint=endpoint,
-                          rdzv_conf={"join_timeout": 5})
+        notebook_launcher(
+            work,
+            num_processes=1,
+            num_nodes=2,
+            node_rank=1,
+            rdzv_endpoint=endpoint,
+            rdzv_conf={"join_timeout": 5},
+        )
     assert asked.is_set()  # the launcher did connect, and its first question found the store gone
     assert str(raised.value).startswith(
         f"node_rank=1 could not reach the rendezvous store at {endpoint} within join_timeout=5s"
@@ -141,8 +178,15 @@ def test_a_store_that_closes_after_the_connect_is_waited_for(leak_check, store_t
 def test_static_node_0_says_what_it_waits_for_and_honours_join_timeout(capfd, leak_check):
     endpoint = f"127.0.0.1:{free_port()}"
     with pytest.raises(RendezvousTimeoutError) as raised:
-        notebook_launcher(work, num_processes=2, num_nodes=2, node_rank=0, rdzv_endpoint=endpoint,
-                          rdzv_conf={"join_timeout": 3}, rdzv_id="job3")
+        notebook_launcher(
+            work,
+            num_processes=2,
+            num_nodes=2,
+            node_rank=0,
+            rdzv_endpoint=endpoint,
+            rdzv_conf={"join_timeout": 3},
+            rdzv_id="job3",
+        )
     assert str(raised.value) == (
         f"node_rank=0: 1 of num_nodes=2 machines joined the rendezvous at {endpoint} (rdzv_id='job3') "
         f"within join_timeout=3s: joined node_rank=0 ({socket.gethostname()}, pid {os.getpid()}); "
@@ -150,7 +194,10 @@ def test_static_node_0_says_what_it_waits_for_and_honours_join_timeout(capfd, le
         f"rdzv_endpoint and rdzv_id, and check that they reach {endpoint}."
     )
     err = capfd.readouterr().err
-    assert f"notebook_launcher: node_rank=0 waits for node_rank 1 at {endpoint} (1 of 2 machines joined)" in err
+    assert (
+        f"notebook_launcher: node_rank=0 waits for node_rank 1 at {endpoint} (1 of 2 machines joined)"
+        in err
+    )
     # Its ranks never started, and the table says so (this machine's ranks: 0 and 1).
     assert "0     not started" in err and "1     not started" in err
 
@@ -158,8 +205,15 @@ def test_static_node_0_says_what_it_waits_for_and_honours_join_timeout(capfd, le
 def test_a_c10d_timeout_is_a_launch_error_naming_who_joined(leak_check):
     endpoint = f"127.0.0.1:{free_port()}"
     with pytest.raises(RendezvousTimeoutError) as raised:
-        notebook_launcher(work, num_processes=1, num_nodes=2, rdzv_backend="c10d", rdzv_endpoint=endpoint,
-                          rdzv_conf={"join_timeout": 3}, rdzv_id="job4")
+        notebook_launcher(
+            work,
+            num_processes=1,
+            num_nodes=2,
+            rdzv_backend="c10d",
+            rdzv_endpoint=endpoint,
+            rdzv_conf={"join_timeout": 3},
+            rdzv_id="job4",
+        )
     message = str(raised.value)
     assert message.startswith(
         f"node_rank=0: the c10d rendezvous at {endpoint} (rdzv_id='job4') did not complete within "
@@ -202,8 +256,14 @@ def run_nodes(tmp_path: Path, *settings: tuple[str, ...], backend: str = "static
     endpoint = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     nodes = [
-        subprocess.Popen([sys.executable, str(script), str(node_rank), endpoint, backend, *values],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+        subprocess.Popen(
+            [sys.executable, str(script), str(node_rank), endpoint, backend, *values],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+        )
         for node_rank, values in enumerate(settings)
     ]
     outputs = []
@@ -222,11 +282,21 @@ def run_nodes(tmp_path: Path, *settings: tuple[str, ...], backend: str = "static
     ("first", "second", "what"),
     [
         (("2", "no", "train"), ("1", "no", "train"), "num_processes=2.*num_processes=1"),
-        (("1", "bf16", "train"), ("1", "no", "train"), "mixed_precision='bf16'.*mixed_precision='no'"),
-        (("1", "no", "train"), ("1", "no", "evaluate"), "function='__main__.train'.*function='__main__.evaluate'"),
+        (
+            ("1", "bf16", "train"),
+            ("1", "no", "train"),
+            "mixed_precision='bf16'.*mixed_precision='no'",
+        ),
+        (
+            ("1", "no", "train"),
+            ("1", "no", "evaluate"),
+            "function='__main__.train'.*function='__main__.evaluate'",
+        ),
     ],
 )
-def test_machines_that_disagree_are_refused_at_the_rendezvous_naming_both_values(tmp_path, first, second, what):
+def test_machines_that_disagree_are_refused_at_the_rendezvous_naming_both_values(
+    tmp_path, first, second, what
+):
     errors = run_nodes(tmp_path, first, second)
     name = what.split("=")[0]
     for error in errors:
@@ -278,7 +348,9 @@ def stranger(port: int, keys: list[str]) -> dict[str, str]:
 def listed_keys(port: int) -> list[str]:
     from torch.distributed import TCPStore
 
-    return TCPStore("127.0.0.1", port, None, is_master=False, timeout=timedelta(seconds=1)).list_keys()
+    return TCPStore(
+        "127.0.0.1", port, None, is_master=False, timeout=timedelta(seconds=1)
+    ).list_keys()
 
 
 def test_a_stranger_that_lists_the_keys_learns_nothing_and_cannot_make_ranks_trust_it(tmp_path):
@@ -288,8 +360,14 @@ def test_a_stranger_that_lists_the_keys_learns_nothing_and_cannot_make_ranks_tru
     script = tmp_path / "launch.py"
     script.write_text(textwrap.dedent(STRANGER_RANK))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    launch = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launch = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         port_file = tmp_path / "port"
         while not port_file.exists() or not port_file.read_text():
@@ -331,16 +409,28 @@ def test_a_stranger_writing_the_closing_key_does_not_stop_machines_with_a_secret
     endpoint = f"127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = [sys.executable, str(script)]
-    host = subprocess.Popen([*run, "0", endpoint], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    host = subprocess.Popen(
+        [*run, "0", endpoint],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         from notebook_launcher.launcher.store import probe_store
 
         while probe_store("127.0.0.1", port) != "store":
             assert host.poll() is None, host.communicate()
         stranger(port, ["notebook_launcher/closing"])
-        other = subprocess.run([*run, "1", endpoint], cwd=tmp_path, env=env, capture_output=True,
-                               text=True, timeout=250)
+        other = subprocess.run(
+            [*run, "1", endpoint],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=250,
+        )
         stdout, stderr = host.communicate(timeout=250)
     finally:
         host.kill()
@@ -349,7 +439,9 @@ def test_a_stranger_writing_the_closing_key_does_not_stop_machines_with_a_secret
     assert tagged(other, "RESULT") == 2
 
 
-def test_at_the_c10d_first_check_the_host_keeps_its_store_until_the_other_machine_refused_too(leak_check):
+def test_at_the_c10d_first_check_the_host_keeps_its_store_until_the_other_machine_refused_too(
+    leak_check,
+):
     """The host reads both machines' announcements and refuses; the other machine, a moment
     behind, must still find the store and refuse with the values, not with a store gone."""
     import json
@@ -360,10 +452,16 @@ def test_at_the_c10d_first_check_the_host_keeps_its_store_until_the_other_machin
 
     def machine(node_rank: int, precision: str) -> NodeRendezvous:
         config = RendezvousConfig(
-            backend="c10d", num_nodes=2, node_rank=node_rank, endpoint=endpoint, run_id="held",
+            backend="c10d",
+            num_nodes=2,
+            node_rank=node_rank,
+            endpoint=endpoint,
+            run_id="held",
             conf={"is_host": node_rank == 0, "join_timeout": 60},
         )
-        return NodeRendezvous(config, "127.0.0.1", None, 1, fingerprint={"mixed_precision": precision})
+        return NodeRendezvous(
+            config, "127.0.0.1", None, 1, fingerprint={"mixed_precision": precision}
+        )
 
     host, late = machine(0, "bf16"), machine(1, "no")
     announced = "held/attempt0/machines"
@@ -386,7 +484,10 @@ def test_at_the_c10d_first_check_the_host_keeps_its_store_until_the_other_machin
         while thread.is_alive() and not late._keys.check([f"{announced}/refused"]):
             assert time.monotonic() < safety, "the host neither refused nor ended"
             time.sleep(0.01)
-        with pytest.raises(RendezvousError, match=r"disagree on mixed_precision: node_rank=0 .* has mixed_precision='bf16', node_rank=1 .* has mixed_precision='no'"):
+        with pytest.raises(
+            RendezvousError,
+            match=r"disagree on mixed_precision: node_rank=0 .* has mixed_precision='bf16', node_rank=1 .* has mixed_precision='no'",
+        ):
             late.next_round(0)
     finally:
         late.close()

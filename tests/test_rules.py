@@ -14,10 +14,18 @@ from notebook_launcher.hardware import GpuInfo, HardwareReport
 from notebook_launcher.launcher.start_method import KernelState, choose_start_method
 
 
-def report(cpu_count: int = 2, gpus: tuple[GpuInfo, ...] = (), tpu_cores: int = 0) -> HardwareReport:
+def report(
+    cpu_count: int = 2, gpus: tuple[GpuInfo, ...] = (), tpu_cores: int = 0
+) -> HardwareReport:
     return HardwareReport(
-        cpu_count=cpu_count, gpus=gpus, driver_version=None, tpu_cores=tpu_cores,
-        mps_available=False, platform="local", python_version="3.11", torch_version="2.13.0",
+        cpu_count=cpu_count,
+        gpus=gpus,
+        driver_version=None,
+        tpu_cores=tpu_cores,
+        mps_available=False,
+        platform="local",
+        python_version="3.11",
+        torch_version="2.13.0",
         torch_xla_version=None,
     )
 
@@ -67,7 +75,9 @@ def test_precisions_refuse_only_what_torch_cannot_run() -> None:
     cpu = rules.precision_support(report(), "cpu")
     assert cpu["no"] is None and cpu["bf16"] is None and cpu["fp16"] is None
     assert cpu["fp8"] == "fp8 needs a Hopper-class NVIDIA GPU; this machine runs ranks on CPU"
-    assert rules.precision_support(report(tpu_cores=8), "tpu")["fp16"].startswith("fp16 is not supported on TPU; use bf16")
+    assert rules.precision_support(report(tpu_cores=8), "tpu")["fp16"].startswith(
+        "fp16 is not supported on TPU; use bf16"
+    )
 
 
 @pytest.mark.parametrize(("cores", "limit"), [(1, 16), (2, 16), (4, 16), (8, 32), (64, 256)])
@@ -110,7 +120,10 @@ def test_the_hardware_report_and_the_choices_say_the_same() -> None:
     assert data["default_num_processes"] == offered["num_processes"]["default"] == 2
     assert data["max_num_processes"] == offered["num_processes"]["max"]
     assert data["precisions"] == offered["mixed_precision"]
-    assert offered["num_processes"]["note"] == f"CPU ranks share the 8 core(s); at most {offered['num_processes']['max']}."
+    assert (
+        offered["num_processes"]["note"]
+        == f"CPU ranks share the 8 core(s); at most {offered['num_processes']['max']}."
+    )
 
 
 @pytest.mark.parametrize("value", ["BF16", " bf16 ", "Bf16"])

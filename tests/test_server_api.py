@@ -35,7 +35,9 @@ def test_hardware_reports_the_machine_and_the_choices(api: Api, cpu_only: None) 
     assert body["hardware"]["cpu_count"] >= 1
     assert body["choices"] == json.loads(json.dumps(d.choices(report)))
     assert body["choices"]["mixed_precision"]["fp16"] is None
-    assert body["choices"]["mixed_precision"]["fp8"].startswith("fp8 needs a Hopper-class NVIDIA GPU")
+    assert body["choices"]["mixed_precision"]["fp8"].startswith(
+        "fp8 needs a Hopper-class NVIDIA GPU"
+    )
     # Reading the hardware never initialises CUDA (nor even imports torch) in the server.
     assert torch_was_imported or "torch" not in sys.modules
 
@@ -206,7 +208,10 @@ def test_a_deeply_nested_body_is_refused_with_400(api: Api, cpu_only: None) -> N
     [
         (lambda path: path.write_bytes(b'{"num_processes": 2\xff}'), "it is not UTF-8 text"),
         (lambda path: os.mkfifo(path), "it is not a regular file but a FIFO (named pipe)"),
-        (lambda path: path.symlink_to("/dev/zero"), "it is not a regular file but a character device"),
+        (
+            lambda path: path.symlink_to("/dev/zero"),
+            "it is not a regular file but a character device",
+        ),
     ],
 )
 def test_an_unreadable_defaults_file_is_reported_with_200(

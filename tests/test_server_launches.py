@@ -52,7 +52,9 @@ def test_no_launches_when_nothing_runs(api: Api) -> None:
 def test_a_running_launch_is_listed(api: Api, running: RegisteredLaunch) -> None:
     status, body = api("launches")
     assert status == 200
-    listed = {k: v for k, v in running.record.to_dict().items() if k != "pid_namespace"}  # the kernel's own
+    listed = {
+        k: v for k, v in running.record.to_dict().items() if k != "pid_namespace"
+    }  # the kernel's own
     assert body["launches"] == [{**listed, "notebook": None}]
 
 

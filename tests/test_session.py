@@ -39,7 +39,9 @@ def test_close_leaves_nothing_behind(leak_check):
     session.close()
     session.close()
     assert not session.alive
-    with pytest.raises(SessionError, match=r"the session is closed; create a new Session \(or %distributed start\)"):
+    with pytest.raises(
+        SessionError, match=r"the session is closed; create a new Session \(or %distributed start\)"
+    ):
         session.execute("1")
 
 
@@ -50,7 +52,10 @@ def test_every_rank_starts_with_its_names_and_a_process_group(session):
         names={"os_env": None},
     )
     assert values == [(0, 0, 2, "cpu", 0, "gloo", None), (1, 1, 2, "cpu", 1, "gloo", None)]
-    assert session.execute("import os\nos.environ['RANK'], os.environ['WORLD_SIZE']") == [("0", "2"), ("1", "2")]
+    assert session.execute("import os\nos.environ['RANK'], os.environ['WORLD_SIZE']") == [
+        ("0", "2"),
+        ("1", "2"),
+    ]
 
 
 def test_names_stay_on_each_rank_across_three_calls(session):
@@ -85,16 +90,23 @@ def test_output_is_prefixed_with_the_rank(session, capsys):
     assert "[rank0]: hello from 0\n" in out and "[rank1]: hello from 1\n" in out
 
 
-def test_a_failing_rank_raises_its_own_error_and_interrupts_the_rank_waiting_in_a_collective(session):
+def test_a_failing_rank_raises_its_own_error_and_interrupts_the_rank_waiting_in_a_collective(
+    session,
+):
     session.execute("kept = rank + 100")
     code = "\nif rank == 1:\n    raise ValueError(f'bad batch on rank {rank}')\nt = torch.ones(8)\ntorch.distributed.all_reduce(t)\n"
-    with pytest.raises(ValueError, match=r"^Rank 1 \(pid \d+\) raised ValueError: bad batch on rank 1\.") as caught:
+    with pytest.raises(
+        ValueError, match=r"^Rank 1 \(pid \d+\) raised ValueError: bad batch on rank 1\."
+    ) as caught:
         session.execute(code, filename="In[12]")
     error = caught.value
     assert isinstance(error, RankFailedError)
     text = str(error)
     assert "Rank(s) 0 were still running the cell and were interrupted." in text
-    assert "The process group was rebuilt (a collective may have been left half-done), so the next cell can use collectives again; the names defined so far are kept." in text
+    assert (
+        "The process group was rebuilt (a collective may have been left half-done), so the next cell can use collectives again; the names defined so far are kept."
+        in text
+    )
     assert 'File "In[12]", line 3, in <module>' in text
     assert "raise ValueError(f'bad batch on rank {rank}')" in text
     assert error.failures[0].rank == 1
@@ -137,7 +149,10 @@ def test_a_rank_killed_between_calls_is_noticed_and_named_then_restart_works():
         os.kill(victim, signal.SIGKILL)
         wait_until_dead(session)
         assert not session.alive
-        with pytest.raises(SessionError, match=rf"the session has no usable ranks: Rank 1 \(pid {victim}\) was killed by SIGKILL .*Restart the session \(session.restart\(\), or %distributed restart\)"):
+        with pytest.raises(
+            SessionError,
+            match=rf"the session has no usable ranks: Rank 1 \(pid {victim}\) was killed by SIGKILL .*Restart the session \(session.restart\(\), or %distributed restart\)",
+        ):
             session.execute("z")
         session.restart()
         assert session.alive
@@ -149,13 +164,19 @@ def test_a_rank_killed_between_calls_is_noticed_and_named_then_restart_works():
 def test_a_rank_that_exits_during_a_cell_ends_the_session_with_its_exit_code():
     with Session(num_processes=2, hardware="cpu") as session:
         code = "import os\nif rank == 1:\n    os._exit(3)\nt = torch.ones(8)\ntorch.distributed.all_reduce(t)"
-        with pytest.raises(RankFailedError, match=r"Rank 1 \(pid \d+\) exited with code 3 without raising an exception while running the cell; the session's other ranks were stopped"):
+        with pytest.raises(
+            RankFailedError,
+            match=r"Rank 1 \(pid \d+\) exited with code 3 without raising an exception while running the cell; the session's other ranks were stopped",
+        ):
             session.execute(code)
         assert not session.alive
 
 
 def test_two_sessions_work_side_by_side():
-    with Session(num_processes=2, hardware="cpu") as first, Session(num_processes=2, hardware="cpu") as second:
+    with (
+        Session(num_processes=2, hardware="cpu") as first,
+        Session(num_processes=2, hardware="cpu") as second,
+    ):
         first.execute("who = 'first'")
         second.execute("who = 'second'")
         assert first.execute(ALL_REDUCE) == second.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
@@ -170,9 +191,14 @@ def test_forkserver_ranks_serve_too():
 
 
 def test_wrong_arguments_say_what_to_pass(session):
-    with pytest.raises(LaunchTypeError, match=r"ranks=\[2\]: 2 is not a rank of this session, which has ranks 0 to 1\."):
+    with pytest.raises(
+        LaunchTypeError,
+        match=r"ranks=\[2\]: 2 is not a rank of this session, which has ranks 0 to 1\.",
+    ):
         session.execute("1", ranks=[2])
-    with pytest.raises(LaunchTypeError, match=r"ranks=\[0, 0\] must name at least one rank, each once"):
+    with pytest.raises(
+        LaunchTypeError, match=r"ranks=\[0, 0\] must name at least one rank, each once"
+    ):
         session.execute("1", ranks=[0, 0])
     with pytest.raises(LaunchTypeError, match=r"push\(\) takes a dict of variable names to values"):
         session.push(["lr"])  # type: ignore[arg-type]
@@ -189,7 +215,10 @@ def test_a_session_is_listed_for_the_sidebar_and_its_stop_button_ends_it():
         assert registry.request_stop(record.launch_id)
         wait_until_dead(session)
         assert not session.alive
-        with pytest.raises(SessionError, match=r"the session has no usable ranks: it was stopped from the JupyterLab sidebar\. Restart the session"):
+        with pytest.raises(
+            SessionError,
+            match=r"the session has no usable ranks: it was stopped from the JupyterLab sidebar\. Restart the session",
+        ):
             session.execute("1")
         assert all(r.launch_id != record.launch_id for r in registry.list_launches())
 
@@ -208,7 +237,9 @@ class _StopButtonWhen:
 
 
 def test_the_stop_button_also_frees_a_rank_blocked_in_a_collective():
-    with Session(num_processes=2, hardware="cpu", observers=[_StopButtonWhen("waiting", 2)]) as session:
+    with Session(
+        num_processes=2, hardware="cpu", observers=[_StopButtonWhen("waiting", 2)]
+    ) as session:
         # Rank 0 has issued its collective before it says so (the stop comes after both have
         # spoken), and waits in it for rank 1, which never joins.
         code = (
@@ -222,21 +253,31 @@ def test_the_stop_button_also_frees_a_rank_blocked_in_a_collective():
         assert session.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
 
 
-def test_a_rank_that_ignores_the_interrupt_is_reported_and_a_second_interrupt_ends_the_session(capfd):
+def test_a_rank_that_ignores_the_interrupt_is_reported_and_a_second_interrupt_ends_the_session(
+    capfd,
+):
     import threading
 
     main = threading.main_thread().ident
-    with Session(num_processes=2, hardware="cpu", observers=[_StopButtonWhen("deaf", 2)]) as session:
+    with Session(
+        num_processes=2, hardware="cpu", observers=[_StopButtonWhen("deaf", 2)]
+    ) as session:
+
         def second_press() -> None:
             deadline = time.monotonic() + 300  # a safety net only
-            while "did not stop within" not in capfd.readouterr().err and time.monotonic() < deadline:
+            while (
+                "did not stop within" not in capfd.readouterr().err and time.monotonic() < deadline
+            ):
                 time.sleep(0.2)
             signal.pthread_kill(main, signal.SIGINT)
 
         presser = threading.Thread(target=second_press)
         presser.start()
         try:
-            with pytest.raises(KeyboardInterrupt, match=r"^stopped every rank of the session: rank\(s\) 0, 1 did not come back from the interrupt\. Restart the session"):
+            with pytest.raises(
+                KeyboardInterrupt,
+                match=r"^stopped every rank of the session: rank\(s\) 0, 1 did not come back from the interrupt\. Restart the session",
+            ):
                 session.execute(
                     "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
                     "print('deaf', flush=True)\ntime.sleep(600)"
@@ -244,7 +285,10 @@ def test_a_rank_that_ignores_the_interrupt_is_reported_and_a_second_interrupt_en
         finally:
             presser.join()
         assert not session.alive
-        with pytest.raises(SessionError, match=r"^the session has no usable ranks: it was stopped from the notebook while rank\(s\) 0, 1 did not come back from an interrupt\. Restart the session") as caught:
+        with pytest.raises(
+            SessionError,
+            match=r"^the session has no usable ranks: it was stopped from the notebook while rank\(s\) 0, 1 did not come back from an interrupt\. Restart the session",
+        ) as caught:
             session.execute("1")
         assert "Rank -1" not in str(caught.value)
 
@@ -254,7 +298,9 @@ def test_restart_of_a_closed_session_and_code_that_is_not_text_say_what_to_do():
     with pytest.raises(LaunchTypeError, match=r"code must be a string of Python source; got int\."):
         session.execute(42)  # type: ignore[arg-type]
     session.close()
-    with pytest.raises(SessionError, match=r"restart\(\) was called on a closed session; create a new Session"):
+    with pytest.raises(
+        SessionError, match=r"restart\(\) was called on a closed session; create a new Session"
+    ):
         session.restart()
 
 
@@ -269,7 +315,10 @@ def test_the_training_core_works_inside_a_session_with_its_precision():
 
 def test_a_rank_that_segfaults_during_a_cell_is_named_with_its_crash_report():
     with Session(num_processes=2, hardware="cpu") as session:
-        with pytest.raises(RankFailedError, match=r"Rank 1 \(pid \d+\) was killed by SIGSEGV \(segmentation fault\) while running the cell") as caught:
+        with pytest.raises(
+            RankFailedError,
+            match=r"Rank 1 \(pid \d+\) was killed by SIGSEGV \(segmentation fault\) while running the cell",
+        ) as caught:
             session.execute("import ctypes\nif rank == 1:\n    ctypes.string_at(0)\n")
         assert "Fatal Python error: Segmentation fault" in str(caught.value)
         assert not session.alive
@@ -300,9 +349,13 @@ def test_a_stranger_on_the_store_port_learns_nothing_and_cannot_break_the_sessio
 
     with Session(num_processes=2, hardware="cpu") as session:
         session.execute("kept = rank")
-        port, = set(session.execute("import os\nos.environ['MASTER_PORT']"))
+        (port,) = set(session.execute("import os\nos.environ['MASTER_PORT']"))
         stranger = subprocess.run(
-            [sys.executable, "-c", STRANGER, port], capture_output=True, text=True, timeout=120, check=True
+            [sys.executable, "-c", STRANGER, port],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
         )
         seen = json.loads(stranger.stdout)
         assert seen["keys"], "the stranger found no keys at all: nothing was tested"
@@ -313,7 +366,9 @@ def test_a_stranger_on_the_store_port_learns_nothing_and_cannot_break_the_sessio
         # A failing cell rebuilds the process group from the store: it must still work.
         code = "if rank == 1:\n    raise ValueError('on purpose')\ntorch.distributed.all_reduce(torch.ones(2))"
         for _ in range(2):
-            with pytest.raises(ValueError, match=r"^Rank 1 \(pid \d+\) raised ValueError: on purpose\."):
+            with pytest.raises(
+                ValueError, match=r"^Rank 1 \(pid \d+\) raised ValueError: on purpose\."
+            ):
                 session.execute(code)
         assert session.execute("kept") == [0, 1]
         assert session.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
@@ -364,7 +419,9 @@ def test_a_rank_interrupted_before_it_started_the_cell_does_not_run_it():
             helper = threading.Thread(target=resume_once_interrupted)
             helper.start()
             try:
-                with pytest.raises(ValueError, match=r"^Rank 1 \(pid \d+\) raised ValueError: on purpose\."):
+                with pytest.raises(
+                    ValueError, match=r"^Rank 1 \(pid \d+\) raised ValueError: on purpose\."
+                ):
                     session.execute(code)
             finally:
                 ended.set()
@@ -387,7 +444,10 @@ def test_push_of_a_value_that_cannot_be_pickled_names_it(session):
 
     from notebook_launcher.errors import LaunchConfigError
 
-    with pytest.raises(LaunchConfigError, match=r"^push\(\) was given the notebook's 'lk' \(a _thread.lock\), which cannot be sent to the ranks: TypeError: .*Create it on the ranks instead"):
+    with pytest.raises(
+        LaunchConfigError,
+        match=r"^push\(\) was given the notebook's 'lk' \(a _thread.lock\), which cannot be sent to the ranks: TypeError: .*Create it on the ranks instead",
+    ):
         session.push({"lk": threading.Lock()})
 
 
@@ -414,7 +474,9 @@ def test_a_ranks_exception_that_cannot_travel_still_brings_its_type(session):
     # The instance holds a lock (it cannot be pickled); its type alone still can, so
     # ``except ValueError`` in the notebook catches the rank's error.
     code = "import threading\nerror = ValueError('holds a lock')\nerror.lock = threading.Lock()\nraise error"
-    with pytest.raises(ValueError, match=r"^Rank 0 \(pid \d+\) raised ValueError: holds a lock\.") as caught:
+    with pytest.raises(
+        ValueError, match=r"^Rank 0 \(pid \d+\) raised ValueError: holds a lock\."
+    ) as caught:
         session.execute(code, ranks=[0])
     assert type(caught.value).__name__ == "RankFailedError[ValueError]"
     assert caught.value.__cause__ is None
@@ -444,9 +506,14 @@ def test_status_from_another_thread_while_a_cell_runs_says_what_and_where(sessio
     assert rows[0]["state"] == "idle" and rows[0]["running"] is None
     assert rows[1]["running"] == "cell 12" and rows[1]["running_s"] >= 0
     # The side thread reads the main thread wherever it is: in the sleep, or in the check.
-    assert rows[1]["where"] in ("cell 12, line 4, in time.sleep", "cell 12, line 3, in exists",
-                                "cell 12, line 3, in os.path.exists"), rows[1]
+    assert rows[1]["where"] in (
+        "cell 12, line 4, in time.sleep",
+        "cell 12, line 3, in exists",
+        "cell 12, line 3, in os.path.exists",
+    ), rows[1]
     assert rows[1]["pid"] == session.pids[1] and rows[1]["rss_bytes"] > 10_000_000
     assert rows[1]["cuda_allocated_bytes"] is None and rows[1]["cuda_reserved_bytes"] is None
-    with pytest.raises(LaunchTypeError, match=r"^timeout=-1 must be a number of seconds above 0, or None\.$"):
+    with pytest.raises(
+        LaunchTypeError, match=r"^timeout=-1 must be a number of seconds above 0, or None\.$"
+    ):
         session.execute("1", timeout=-1)

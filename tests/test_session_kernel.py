@@ -48,7 +48,9 @@ def test_notebook_names_go_to_the_ranks_and_return_brings_names_back(kernel):
     assert run_ok(kernel, "shard").result == "[0, 2]"
 
 
-def test_a_failure_on_one_rank_while_the_other_waits_in_all_reduce_raises_and_the_next_cell_works(kernel):
+def test_a_failure_on_one_rank_while_the_other_waits_in_all_reduce_raises_and_the_next_cell_works(
+    kernel,
+):
     cell = kernel.run(
         "%%distributed\n"
         "t = torch.ones(8)\n"
@@ -62,12 +64,16 @@ def test_a_failure_on_one_rank_while_the_other_waits_in_all_reduce_raises_and_th
     assert "raised RuntimeError: rank 1 lost its data" in cell.error["evalue"]
     assert "Rank(s) 0 were still running the cell and were interrupted." in cell.error["evalue"]
     assert ", line 4, in <module>" in cell.error["evalue"]
-    after = run_ok(kernel, "%%distributed\nt = torch.ones(8)\ntorch.distributed.all_reduce(t)\nt.sum().item()")
+    after = run_ok(
+        kernel, "%%distributed\nt = torch.ones(8)\ntorch.distributed.all_reduce(t)\nt.sum().item()"
+    )
     assert after.result == "[rank0]: 16.0\n[rank1]: 16.0"
 
 
 def test_the_stop_button_interrupts_both_sleeping_ranks_and_the_session_survives(kernel):
-    msg_id = kernel.submit("%%distributed\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)")
+    msg_id = kernel.submit(
+        "%%distributed\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)"
+    )
     seen = kernel.collect(msg_id, until="sleeping")
     while seen.stdout.count("sleeping") < 2:
         seen.stdout += kernel.collect(msg_id, until="sleeping").stdout
@@ -90,7 +96,9 @@ def test_the_stop_button_wakes_a_rank_whose_interrupt_landed_on_another_thread(k
     wait_for_output(kernel, msg_id, ["[rank0]: sleeping", "[rank1]: sleeping"])
     kernel.manager.interrupt_kernel()
     stuck = "did not stop within"  # what the kernel says when a rank is not back 5 s later
-    cell = kernel.collect(msg_id, timeout=120, until_stderr=stuck)  # a safety net: it ends in a second
+    cell = kernel.collect(
+        msg_id, timeout=120, until_stderr=stuck
+    )  # a safety net: it ends in a second
     if stuck in cell.stderr:  # a second press ends the session, and the cell, at once
         kernel.manager.interrupt_kernel()
         kernel.collect(msg_id)
@@ -119,7 +127,9 @@ def wait_until_ended(pid: int) -> None:
 
 def test_a_rank_killed_between_cells_is_named_in_the_next_cell_and_restart_works(kernel):
     status = run_ok(kernel, "%distributed status").stdout
-    pids = [int(pid) for pid in status.split("(pids ")[1].split(")")[0].split(", ")]  # in rank order
+    pids = [
+        int(pid) for pid in status.split("(pids ")[1].split(")")[0].split(", ")
+    ]  # in rank order
     assert sorted(pids) == sorted(p.pid for p in rank_processes(kernel.pid))
     victim = pids[1]
     os.kill(victim, signal.SIGKILL)

@@ -69,7 +69,10 @@ def test_push_and_pull(ip):
     ip.run_cell_magic("distributed", "", "scaled = lr * (rank + 1)")
     ip.run_line_magic("distributed", "pull scaled --rank 1")
     assert ip.user_ns["scaled"] == 0.25
-    with pytest.raises(DistributedUsageError, match=r"%distributed push: not_defined_anywhere not defined in the notebook"):
+    with pytest.raises(
+        DistributedUsageError,
+        match=r"%distributed push: not_defined_anywhere not defined in the notebook",
+    ):
         ip.run_line_magic("distributed", "push not_defined_anywhere")
 
 
@@ -77,7 +80,9 @@ def test_a_failing_cell_raises_the_ranks_error_with_the_cells_line_numbers(ip):
     with pytest.raises(ZeroDivisionError) as caught:
         # The barrier: rank 0 has ``a`` before rank 1 fails (a rank the failure's interrupt
         # finds before it started the cell does not run it).
-        ip.run_cell_magic("distributed", "", "a = 1\ntorch.distributed.barrier()\nb = a / (rank - 1)\n")
+        ip.run_cell_magic(
+            "distributed", "", "a = 1\ntorch.distributed.barrier()\nb = a / (rank - 1)\n"
+        )
     assert isinstance(caught.value, RankFailedError)
     assert str(caught.value).startswith("Rank 1 (pid ")
     assert ", line 4, in <module>" in str(caught.value)  # line 1 is the %%distributed line
@@ -95,18 +100,28 @@ def test_restart_forgets_and_stop_ends(ip, capsys):
     assert magics(ip).session is None and session is not None and not session.alive
     with pytest.raises(SessionError, match="the session is closed"):
         session.execute("1")
-    with pytest.raises(DistributedUsageError, match=r"no session is running; %distributed start -n 2 starts one"):
+    with pytest.raises(
+        DistributedUsageError, match=r"no session is running; %distributed start -n 2 starts one"
+    ):
         ip.run_line_magic("distributed", "pull x")
 
 
 def test_push_of_a_lock_and_an_unclosed_quote_say_what_is_wrong(ip):
     ip.run_line_magic("distributed", "start -n 2 --hardware cpu")
     ip.run_cell("import threading\nlk = threading.Lock()")
-    with pytest.raises(LaunchConfigError, match=r"^push\(\) was given the notebook's 'lk' \(a _thread.lock\), which cannot be sent to the ranks"):
+    with pytest.raises(
+        LaunchConfigError,
+        match=r"^push\(\) was given the notebook's 'lk' \(a _thread.lock\), which cannot be sent to the ranks",
+    ):
         ip.run_line_magic("distributed", "push lk")
-    with pytest.raises(DistributedUsageError, match=r"^%distributed start -n 2 'x: No closing quotation; the line is split like a shell command line, so close the quote or escape it\. Usage: %distributed"):
+    with pytest.raises(
+        DistributedUsageError,
+        match=r"^%distributed start -n 2 'x: No closing quotation; the line is split like a shell command line, so close the quote or escape it\. Usage: %distributed",
+    ):
         ip.run_line_magic("distributed", "start -n 2 'x")
-    with pytest.raises(DistributedUsageError, match=r"^%%distributed --ranks '0: No closing quotation"):
+    with pytest.raises(
+        DistributedUsageError, match=r"^%%distributed --ranks '0: No closing quotation"
+    ):
         ip.run_cell_magic("distributed", "--ranks '0", "1")
 
 
@@ -117,5 +132,8 @@ def test_returned_names_say_which_rank_they_came_from(ip, capsys):
 
 
 def test_a_cell_magic_inside_a_distributed_cell_is_refused(ip):
-    with pytest.raises(DistributedUsageError, match=r"^%%distributed: the cell uses IPython syntax \(a cell magic such as %%time\), which the ranks cannot run"):
+    with pytest.raises(
+        DistributedUsageError,
+        match=r"^%%distributed: the cell uses IPython syntax \(a cell magic such as %%time\), which the ranks cannot run",
+    ):
         ip.run_cell_magic("distributed", "", "%%time\nx = 1\ny = 2")

@@ -37,7 +37,9 @@ def wait_for_both(kernel, msg_id: str, text: str) -> None:
 
 
 @pytest.mark.parametrize("apart_s", [0.05, 0.1, 0.15, 0.6])
-def test_stop_pressed_twice_during_a_collective_ends_the_cell_with_one_message_and_keeps_the_session(kernel, apart_s):
+def test_stop_pressed_twice_during_a_collective_ends_the_cell_with_one_message_and_keeps_the_session(
+    kernel, apart_s
+):
     run_ok(kernel, "%%distributed\nkept = rank * 7")
     msg_id = kernel.submit(WAITING_IN_A_COLLECTIVE)
     wait_for_both(kernel, msg_id, "waiting")
@@ -53,7 +55,10 @@ def test_stop_pressed_twice_during_a_collective_ends_the_cell_with_one_message_a
     )
     assert cell.error["traceback"] == [f"KeyboardInterrupt: {cell.error['evalue']}"]
     assert "Traceback" not in cell.stderr and "selectors" not in cell.stderr
-    after = run_ok(kernel, "%%distributed\nt = torch.ones(2) * kept\ntorch.distributed.all_reduce(t)\nt.tolist()")
+    after = run_ok(
+        kernel,
+        "%%distributed\nt = torch.ones(2) * kept\ntorch.distributed.all_reduce(t)\nt.tolist()",
+    )
     assert after.result == "[rank0]: [7.0, 7.0]\n[rank1]: [7.0, 7.0]"
 
 
@@ -80,11 +85,16 @@ def test_output_without_a_final_newline_lands_in_its_own_cell(kernel):
     assert "x" not in run_ok(kernel, "%%distributed --ranks 0\nprint('after')").stdout
 
 
-def test_a_notebook_value_that_cannot_be_pickled_is_not_needed_when_the_cell_assigns_it_first(kernel):
+def test_a_notebook_value_that_cannot_be_pickled_is_not_needed_when_the_cell_assigns_it_first(
+    kernel,
+):
     run_ok(kernel, "def numbers():\n    yield 1\ngen = numbers()")
     read_first = kernel.run("%%distributed\nnext(gen)")
     assert read_first.error["ename"] == "LaunchConfigError"
-    assert "the cell uses the notebook's 'gen' (a builtins.generator), which cannot be sent" in read_first.error["evalue"]
+    assert (
+        "the cell uses the notebook's 'gen' (a builtins.generator), which cannot be sent"
+        in read_first.error["evalue"]
+    )
     assert run_ok(kernel, "%%distributed\ngen = 5\ngen + rank").result == "[rank0]: 5\n[rank1]: 6"
 
 
@@ -97,7 +107,7 @@ def test_a_syntax_error_names_the_cells_own_line_and_starts_no_session():
         shown = "\n".join(cell.error["traceback"])
         assert shown.startswith(
             "DistributedUsageError: %%distributed: the cell has a syntax error, so it was not sent "
-            "to the ranks:\n  File \"In["
+            'to the ranks:\n  File "In['
         ), shown
         assert "line 3\n    y = (\n" in shown and "SyntaxError: '(' was never closed" in shown
         assert "site-packages" not in shown and "notebook_launcher/" not in shown
@@ -138,14 +148,20 @@ def test_exit_in_a_rank_is_the_interpreters_exit(kernel):
 
 def test_ranks_hold_none_of_the_kernels_listening_sockets(kernel):
     kernel_ports = {
-        c.laddr.port for c in psutil.Process(kernel.pid).net_connections("inet") if c.status == psutil.CONN_LISTEN
+        c.laddr.port
+        for c in psutil.Process(kernel.pid).net_connections("inet")
+        if c.status == psutil.CONN_LISTEN
     }
     assert kernel_ports  # the kernel's ZMQ ports and the session's store
     ranks = rank_processes(kernel.pid)
     assert len(ranks) == 2
     for rank in ranks:
-        held = {c.laddr.port for c in rank.net_connections("inet") if c.status == psutil.CONN_LISTEN}
-        assert not held & kernel_ports, f"rank {rank.pid} holds the kernel's ports {held & kernel_ports}"
+        held = {
+            c.laddr.port for c in rank.net_connections("inet") if c.status == psutil.CONN_LISTEN
+        }
+        assert not held & kernel_ports, (
+            f"rank {rank.pid} holds the kernel's ports {held & kernel_ports}"
+        )
     # A launch's ranks start the same way.
     launched = run_ok(
         kernel,
@@ -155,4 +171,6 @@ def test_ranks_hold_none_of_the_kernels_listening_sockets(kernel):
         "held_by_rank = debug_launcher(listening, num_processes=1)\nheld_by_rank",
     )
     held = set(ast.literal_eval(launched.result))  # the list of port numbers the kernel shows
-    assert not held & kernel_ports, f"a launched rank holds the kernel's ports {held & kernel_ports}"
+    assert not held & kernel_ports, (
+        f"a launched rank holds the kernel's ports {held & kernel_ports}"
+    )

@@ -22,12 +22,17 @@ def kernel():
 
 def next_cell_number(kernel: RunningKernel) -> int:
     """The number the notebook shows on the next cell (``In [n]``), as tracebacks name it."""
-    shown = [m["content"]["execution_count"] for m in run_ok(kernel, "pass").messages
-             if m["msg_type"] == "execute_input"]
+    shown = [
+        m["content"]["execution_count"]
+        for m in run_ok(kernel, "pass").messages
+        if m["msg_type"] == "execute_input"
+    ]
     return shown[0] + 1
 
 
-def run_answering(kernel: RunningKernel, code: str, answers: list[str]) -> tuple[CellRun, list[str]]:
+def run_answering(
+    kernel: RunningKernel, code: str, answers: list[str]
+) -> tuple[CellRun, list[str]]:
     """Run a cell that asks for input (Jupyter's stdin channel), typing ``answers`` in turn."""
     msg_id = kernel.client.execute(code, allow_stdin=True)
     prompts = []
@@ -48,7 +53,9 @@ def test_debug_with_no_failed_cell_says_there_is_nothing_to_debug(kernel):
     )
 
 
-def test_a_cell_past_its_timeout_names_each_ranks_line_one_in_sleep_one_blocked_in_all_reduce(kernel):
+def test_a_cell_past_its_timeout_names_each_ranks_line_one_in_sleep_one_blocked_in_all_reduce(
+    kernel,
+):
     n = next_cell_number(kernel)
     cell = kernel.run(
         "%%distributed --timeout 3\n"
@@ -65,14 +72,18 @@ def test_a_cell_past_its_timeout_names_each_ranks_line_one_in_sleep_one_blocked_
         f"was stopped:\nrank 0: cell {n}, line 5, in time.sleep\n"
         f"rank 1: cell {n}, line 6, in all_reduce (waiting for the others)"
     ), cell.error["evalue"]
-    after = run_ok(kernel, "%%distributed\nt = torch.ones(2)\ntorch.distributed.all_reduce(t)\nt.tolist()")
+    after = run_ok(
+        kernel, "%%distributed\nt = torch.ones(2)\ntorch.distributed.all_reduce(t)\nt.tolist()"
+    )
     assert after.result == "[rank0]: [2.0, 2.0]\n[rank1]: [2.0, 2.0]"
 
 
 def where_the_sidebar_is_told(kernel: RunningKernel) -> list[str]:
     """Ask the kernel's session where its ranks are, as the server does, and read the answer
     from its record once it is there."""
-    (record,) = [r for r in registry.list_launches() if r.kernel_pid == kernel.pid and r.kind == "session"]
+    (record,) = [
+        r for r in registry.list_launches() if r.kernel_pid == kernel.pid and r.kind == "session"
+    ]
     assert record.where_at is None or record.where
     asked_after = record.where_at
     assert registry.request_where(record.launch_id)
@@ -100,13 +111,16 @@ def test_the_stop_button_names_where_each_rank_was_inside_a_function_of_the_cell
     wait_for_output(kernel, msg_id, ["[rank0]: waiting", "[rank1]: waiting"])
     # The sidebar asks too, while the cell runs (through the record it lists).
     assert where_the_sidebar_is_told(kernel) == [
-        f"rank 0: cell {n}, line 7, in time.sleep", f"rank 1: cell {n}, line 4 (in wait), in time.sleep"
+        f"rank 0: cell {n}, line 7, in time.sleep",
+        f"rank 1: cell {n}, line 4 (in wait), in time.sleep",
     ]
     kernel.manager.interrupt_kernel()
     cell = kernel.collect(msg_id, timeout=600)  # a safety net: it ends in seconds
     assert cell.error["ename"] == "KeyboardInterrupt"
     assert "Where each rank was when it was stopped:\n" in cell.error["evalue"]
-    assert f"\nrank 0: cell {n}, line 7, in time.sleep" in cell.error["evalue"], cell.error["evalue"]
+    assert f"\nrank 0: cell {n}, line 7, in time.sleep" in cell.error["evalue"], cell.error[
+        "evalue"
+    ]
     assert f"\nrank 1: cell {n}, line 4 (in wait), in time.sleep" in cell.error["evalue"]
 
 
@@ -114,13 +128,17 @@ def test_where_and_status_show_every_rank_with_its_memory(kernel):
     assert run_ok(kernel, "%distributed where").stdout == (
         "rank 0: idle, waiting for the next cell\nrank 1: idle, waiting for the next cell\n"
     )
-    run_ok(kernel, "%%distributed\nbig = torch.ones(60_000_000) if rank == 1 else None")  # 240 MB on rank 1
+    run_ok(
+        kernel, "%%distributed\nbig = torch.ones(60_000_000) if rank == 1 else None"
+    )  # 240 MB on rank 1
     lines = run_ok(kernel, "%distributed status").stdout.splitlines()
     assert lines[0].startswith("notebook_launcher: 2 CPU ranks") and "alive (pids " in lines[0]
     pids = [int(p) for p in lines[0].split("(pids ")[1].rstrip(")").split(", ")]
     rss = []
     for rank, line in enumerate(lines[1:]):
-        found = re.fullmatch(rf"rank {rank}: idle, pid {pids[rank]}, RSS ([\d.]+) MiB, CPU \d+%", line)
+        found = re.fullmatch(
+            rf"rank {rank}: idle, pid {pids[rank]}, RSS ([\d.]+) MiB, CPU \d+%", line
+        )
         assert found, line
         rss.append(float(found.group(1)))
     assert rss[1] - rss[0] > 200, rss
@@ -172,7 +190,10 @@ def test_tab_and_shift_tab_answer_from_the_ranks_without_touching_the_kernels_na
         "%%distributed\nonly_on_ranks = rank\nif rank == 1:\n    rank_one_thing = 3\n"
         "def scale(x, factor=2):\n    'Multiply x by factor.'\n    return x * factor",
     )
-    for code, expected in (("%%distributed\nonly_on", ["only_on_ranks"]), ("%%distributed\nrank_o", ["rank_one_thing"])):
+    for code, expected in (
+        ("%%distributed\nonly_on", ["only_on_ranks"]),
+        ("%%distributed\nrank_o", ["rank_one_thing"]),
+    ):
         reply = shell_reply(kernel, kernel.client.complete(code, len(code)))
         assert reply["matches"] == expected and reply["cursor_start"] == code.index("\n") + 1, reply
     types = {c["text"]: c["type"] for c in reply["metadata"]["_jupyter_types_experimental"]}
@@ -185,7 +206,9 @@ def test_tab_and_shift_tab_answer_from_the_ranks_without_touching_the_kernels_na
     ), reply
     # Not a rank cell: the kernel's own names, where there is no scale.
     assert shell_reply(kernel, kernel.client.inspect("scale(3)", 2))["found"] is False
-    names = run_ok(kernel, "[n for n in ('only_on_ranks', 'rank_one_thing', 'scale') if n in globals()]")
+    names = run_ok(
+        kernel, "[n for n in ('only_on_ranks', 'rank_one_thing', 'scale') if n in globals()]"
+    )
     assert names.result == "[]"
 
 
@@ -204,7 +227,9 @@ def test_auto_mode_runs_every_cell_on_the_ranks_until_off_and_local_cells_in_the
     assert run_ok(kernel, "%%distributed\nrank").result == "[rank0]: 0\n[rank1]: 1"
 
 
-def test_html_a_figure_and_display_from_each_rank_show_as_rich_output_labelled_with_the_rank(kernel):
+def test_html_a_figure_and_display_from_each_rank_show_as_rich_output_labelled_with_the_rank(
+    kernel,
+):
     cell = run_ok(
         kernel,
         "%%distributed\n"
@@ -219,9 +244,14 @@ def test_html_a_figure_and_display_from_each_rank_show_as_rich_output_labelled_w
     assert sorted(d["text/plain"] for d in labels) == ["[rank0]:"] * 3 + ["[rank1]:"] * 3
     assert all(set(d) == {"text/plain"} for d in labels)  # a label is plain text only
     rich = [c for c in shown if c["data"] not in labels]
-    by_rank = {r: [c["data"] for c in rich if c["metadata"]["notebook_launcher"]["rank"] == r] for r in (0, 1)}
+    by_rank = {
+        r: [c["data"] for c in rich if c["metadata"]["notebook_launcher"]["rank"] == r]
+        for r in (0, 1)
+    }
     for rank, bundles in by_rank.items():
-        assert bundles[0]["text/html"] == f"<b>rank {rank}</b><img src=x onerror=alert(1)>"  # as sent
+        assert (
+            bundles[0]["text/html"] == f"<b>rank {rank}</b><img src=x onerror=alert(1)>"
+        )  # as sent
         assert bundles[1]["text/markdown"] == f"*{rank}*"
         assert base64.b64decode(bundles[2]["image/png"]).startswith(b"\x89PNG")
     shown_now = run_ok(kernel, "%%distributed\nimport matplotlib.pyplot as plt\nplt.get_fignums()")
@@ -239,8 +269,14 @@ def test_tqdm_bars_from_each_rank_show_as_bars_that_update_in_place(kernel):
         "for _ in tqdm.tqdm(range(4), desc='plain'):\n"
         "    pass\n",
     )
-    shown = [m["content"] for m in cell.messages if m["msg_type"] in ("display_data", "update_display_data")]
-    assert all("application/vnd.jupyter.widget-view+json" not in c["data"] for c in shown)  # no widget
+    shown = [
+        m["content"]
+        for m in cell.messages
+        if m["msg_type"] in ("display_data", "update_display_data")
+    ]
+    assert all(
+        "application/vnd.jupyter.widget-view+json" not in c["data"] for c in shown
+    )  # no widget
     last = {c["transient"]["display_id"]: c["data"] for c in shown}  # each bar's final state
     assert len(last) == 4, shown
     finals = sorted(data["text/html"] for data in last.values())
@@ -266,5 +302,8 @@ def test_display_from_ranks_started_afresh_shows_as_rich_output(kernel):
     finally:
         run_ok(kernel, "%distributed stop\n%distributed start -n 2 --hardware cpu")
     shown = [m["content"]["data"] for m in cell.messages if m["msg_type"] == "display_data"]
-    assert sorted(d["text/html"] for d in shown if "text/html" in d) == ["<b>from 0</b>", "<b>from 1</b>"]
+    assert sorted(d["text/html"] for d in shown if "text/html" in d) == [
+        "<b>from 0</b>",
+        "<b>from 1</b>",
+    ]
     assert "IPython.core.display.HTML object" not in cell.stdout

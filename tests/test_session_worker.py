@@ -81,13 +81,21 @@ def test_a_value_that_cannot_travel_is_named_with_what_to_do():
     import threading
 
     user_ns = {"lock": threading.Lock()}
-    with pytest.raises(LaunchConfigError, match=r"the cell uses the notebook's 'lock' \(a _thread.lock\), which cannot be sent to the ranks: TypeError: .*Create it on the ranks instead"):
+    with pytest.raises(
+        LaunchConfigError,
+        match=r"the cell uses the notebook's 'lock' \(a _thread.lock\), which cannot be sent to the ranks: TypeError: .*Create it on the ranks instead",
+    ):
         notebook_values("lock.acquire()", user_ns)
 
 
 def test_magic_lines_parse_into_commands():
     start = parse_line("start -n 2 --precision bf16 --start-method forkserver")
-    assert (start.command, start.num_processes, start.precision, start.start_method) == ("start", 2, "bf16", "forkserver")
+    assert (start.command, start.num_processes, start.precision, start.start_method) == (
+        "start",
+        2,
+        "bf16",
+        "forkserver",
+    )
     pull = parse_line("pull weights --rank 1")
     assert (pull.command, pull.name, pull.rank) == ("pull", "weights", 1)
     assert parse_line("push a b").names == ["a", "b"]
@@ -96,17 +104,26 @@ def test_magic_lines_parse_into_commands():
     cell = parse_cell_line("--ranks 0 1 --return loss model")
     assert cell.ranks == [0, 1] and cell.returns == ["loss", "model"]
     assert parse_cell_line("").ranks is None and parse_cell_line("").timeout is None
-    assert parse_cell_line("--timeout 2.5").timeout == 2.5 and parse_line("debug --rank 1").rank == 1
+    assert (
+        parse_cell_line("--timeout 2.5").timeout == 2.5 and parse_line("debug --rank 1").rank == 1
+    )
 
 
 def test_a_wrong_magic_line_says_what_is_wrong_without_ending_the_kernel():
-    with pytest.raises(DistributedUsageError, match=r"%distributed needs a command: start, push, pull, show, status, where, debug, auto, restart or stop"):
+    with pytest.raises(
+        DistributedUsageError,
+        match=r"%distributed needs a command: start, push, pull, show, status, where, debug, auto, restart or stop",
+    ):
         parse_line("")
     with pytest.raises(DistributedUsageError, match=r"invalid choice: 'launch'"):
         parse_line("launch")
-    with pytest.raises(DistributedUsageError, match=r"argument -n/--num-processes: invalid int value: 'two'"):
+    with pytest.raises(
+        DistributedUsageError, match=r"argument -n/--num-processes: invalid int value: 'two'"
+    ):
         parse_line("start -n two")
-    with pytest.raises(DistributedUsageError, match=r"%%distributed: unrecognized arguments: --rank"):
+    with pytest.raises(
+        DistributedUsageError, match=r"%%distributed: unrecognized arguments: --rank"
+    ):
         parse_cell_line("--rank 1")
 
 
@@ -134,7 +151,10 @@ def test_the_sealed_store_hides_names_and_values_and_refuses_a_forged_value():
     assert not SealedStore(inner, b"s" * 32, generation=1).check(["rank_0"])
     assert not SealedStore(inner, b"t" * 32, generation=0).check(["rank_0"])
     inner.set(name, b"127.0.0.1:1" + b"\0" * 48)
-    with pytest.raises(ForgedStoreValue, match=r"^a rendezvous store value failed its check: a process without the secret of this launch or session wrote it"):
+    with pytest.raises(
+        ForgedStoreValue,
+        match=r"^a rendezvous store value failed its check: a process without the secret of this launch or session wrote it",
+    ):
         sealed.get("rank_0")
 
 
@@ -145,15 +165,28 @@ def _store_keys(store) -> list[str]:
 def test_a_status_line_shows_state_pid_memory_cpu_and_cuda_memory_on_gpu_ranks():
     from notebook_launcher.session.snapshot import Snapshot, status_line, status_row, where_text
 
-    gpu = Snapshot(pid=7, running="cell 5", running_s=72.5, where="cell 5, line 2, in step",
-                   rss_bytes=3 * 2**30, cpu_percent=99.6, cuda_allocated_bytes=2**30, cuda_reserved_bytes=2 * 2**30)
+    gpu = Snapshot(
+        pid=7,
+        running="cell 5",
+        running_s=72.5,
+        where="cell 5, line 2, in step",
+        rss_bytes=3 * 2**30,
+        cpu_percent=99.6,
+        cuda_allocated_bytes=2**30,
+        cuda_reserved_bytes=2 * 2**30,
+    )
     assert status_line(status_row(1, gpu)) == (
         "rank 1: running cell 5 for 1 min 12 s, pid 7, RSS 3.0 GiB, CPU 100%, CUDA 1.0 GiB allocated, 2.0 GiB reserved"
     )
-    cpu = Snapshot(pid=8, running=None, running_s=None, where="", rss_bytes=512 * 2**20, cpu_percent=0.0)
+    cpu = Snapshot(
+        pid=8, running=None, running_s=None, where="", rss_bytes=512 * 2**20, cpu_percent=0.0
+    )
     assert status_line(status_row(0, cpu)) == "rank 0: idle, pid 8, RSS 512.0 MiB, CPU 0%"
     assert status_line(status_row(2, None)) == "rank 2: not answering"
-    assert where_text(1, gpu) == "rank 1: cell 5, line 2, in step" and where_text(2, None) == "rank 2: did not answer"
+    assert (
+        where_text(1, gpu) == "rank 1: cell 5, line 2, in step"
+        and where_text(2, None) == "rank 2: did not answer"
+    )
 
 
 # In a process of its own: it installs the process's SIGINT handler and a watching thread.
@@ -189,8 +222,13 @@ except KeyboardInterrupt:
 
 def test_an_interrupt_while_a_rank_reads_its_commands_comes_after_the_message_is_read_whole():
     done = subprocess.run(
-        [sys.executable, "-c", _INTERRUPT_WHILE_READING], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _INTERRUPT_WHILE_READING],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
     # The queued cell is kept for the loop and the pipe holds nothing half read.
-    assert done.stdout.strip() == "raised after reading: ['Execute'] False", done.stdout + done.stderr
+    assert done.stdout.strip() == "raised after reading: ['Execute'] False", (
+        done.stdout + done.stderr
+    )

@@ -16,5 +16,7 @@ def test_a_longer_line_says_how_much_was_left_out():
 def test_every_long_line_of_a_text_is_cut_and_the_others_kept():
     text = "Traceback (most recent call last):\n  File ...\nValueError: " + "e" * 5000
     assert cut_lines(text).splitlines() == [
-        "Traceback (most recent call last):", "  File ...", ("ValueError: " + "e" * 5000)[:LINE_CHARS] + "… (3,012 more characters)",
+        "Traceback (most recent call last):",
+        "  File ...",
+        ("ValueError: " + "e" * 5000)[:LINE_CHARS] + "… (3,012 more characters)",
     ]

@@ -6,7 +6,9 @@ from notebook_launcher.errors import LaunchConfigError
 from notebook_launcher.launcher.start_method import KernelState, choose_start_method
 
 CLEAN = KernelState(
-    fork_available=True, forkserver_available=True, cuda_initialized=False,
+    fork_available=True,
+    forkserver_available=True,
+    cuda_initialized=False,
     process_group_initialized=False,
 )
 

@@ -16,14 +16,26 @@ SCRIPT = Path(__file__).parent / "tpu_scripts" / "core_on_xla.py"
 ROOT = Path(__file__).parents[1]
 
 
-def _run(tmp_path: Path, precision: str = "no", chips: int = 2, accelerator_type: str = "v5litepod-8") -> list[dict]:
+def _run(
+    tmp_path: Path, precision: str = "no", chips: int = 2, accelerator_type: str = "v5litepod-8"
+) -> list[dict]:
     env = {
-        "PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"),
-        "PYTHONPATH": f"{FAKE_XLA}:{ROOT}", "PJRT_DEVICE": "TPU", "FAKE_TPU_CHIPS": str(chips),
-        "TPU_ACCELERATOR_TYPE": accelerator_type, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+        "PATH": os.environ["PATH"],
+        "HOME": os.environ.get("HOME", "/tmp"),
+        "PYTHONPATH": f"{FAKE_XLA}:{ROOT}",
+        "PJRT_DEVICE": "TPU",
+        "FAKE_TPU_CHIPS": str(chips),
+        "TPU_ACCELERATOR_TYPE": accelerator_type,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
     }
-    result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), precision], env=env,
-                            capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), precision],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("printed once, by the main process") == 1, result.stdout
     records = [torch.load(p, weights_only=False) for p in sorted(tmp_path.glob("replica*.pt"))]

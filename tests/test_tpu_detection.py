@@ -29,7 +29,12 @@ def test_each_runtime_is_recognised_from_its_devices_and_variables(name, tmp_pat
     tpu = detect_tpu(machine.environ, build_root(tmp_path, machine))
     generation, chips, cores, processes, platform = EXPECTED[name]
     assert tpu is not None
-    assert (tpu.generation, tpu.chips, tpu.cores, tpu.processes) == (generation, chips, cores, processes)
+    assert (tpu.generation, tpu.chips, tpu.cores, tpu.processes) == (
+        generation,
+        chips,
+        cores,
+        processes,
+    )
     assert tpu.pjrt_device == "TPU" and tpu.hosts == 1
     assert hardware.detect_platform(machine.environ) == platform
     assert f"{chips} TPU chip(s) on the PCI bus" in tpu.evidence
@@ -38,7 +43,9 @@ def test_each_runtime_is_recognised_from_its_devices_and_variables(name, tmp_pat
 def test_v2_and_v3_chips_run_two_device_threads_per_process(tmp_path):
     tpu = detect_tpu(MACHINES["colab-v2-8"].environ, build_root(tmp_path, MACHINES["colab-v2-8"]))
     assert tpu is not None and tpu.cores_per_chip == 2
-    assert tpu.describe() == "TPU v2-8: 4 chip(s), 8 core(s), 4 process(es) of 2 device threads each"
+    assert (
+        tpu.describe() == "TPU v2-8: 4 chip(s), 8 core(s), 4 process(es) of 2 device threads each"
+    )
 
 
 def test_the_report_line_of_kaggles_v5e_8():
@@ -50,7 +57,9 @@ def test_the_report_line_of_kaggles_v5e_8():
 def test_the_chips_on_the_bus_win_over_the_accelerator_type(tmp_path):
     # A VM whose type names a slice larger than what is attached counts what is attached.
     machine = MACHINES["colab-v5e-1"]
-    tpu = detect_tpu({**machine.environ, "TPU_ACCELERATOR_TYPE": "v5litepod-8"}, build_root(tmp_path, machine))
+    tpu = detect_tpu(
+        {**machine.environ, "TPU_ACCELERATOR_TYPE": "v5litepod-8"}, build_root(tmp_path, machine)
+    )
     assert tpu is not None and tpu.chips == 1 and tpu.processes == 1
 
 
@@ -92,15 +101,22 @@ def test_a_slice_of_several_hosts_counts_this_hosts_chips():
     assert parse_accelerator_type("not a type") == ("", 0, 1)
 
 
-@pytest.mark.parametrize(("variable", "value", "hosts"), [
-    ("TPU_WORKER_HOSTNAMES", "t1v-n-0,t1v-n-1", 2),
-    ("TPU_WORKER_HOSTNAMES", "localhost", 1),
-    ("TPU_HOST_BOUNDS", "2,2,1", 4),
-    ("TPU_HOST_BOUNDS", "1,1,1", 1),
-])
-def test_the_hosts_of_a_slice_are_read_from_every_variable_torch_xla_reads(tmp_path, variable, value, hosts):
+@pytest.mark.parametrize(
+    ("variable", "value", "hosts"),
+    [
+        ("TPU_WORKER_HOSTNAMES", "t1v-n-0,t1v-n-1", 2),
+        ("TPU_WORKER_HOSTNAMES", "localhost", 1),
+        ("TPU_HOST_BOUNDS", "2,2,1", 4),
+        ("TPU_HOST_BOUNDS", "1,1,1", 1),
+    ],
+)
+def test_the_hosts_of_a_slice_are_read_from_every_variable_torch_xla_reads(
+    tmp_path, variable, value, hosts
+):
     machine = MACHINES["tpu-vm-v4-8"]
-    tpu = detect_tpu({**machine.environ, "PJRT_DEVICE": "TPU", variable: value}, build_root(tmp_path, machine))
+    tpu = detect_tpu(
+        {**machine.environ, "PJRT_DEVICE": "TPU", variable: value}, build_root(tmp_path, machine)
+    )
     assert tpu is not None and tpu.hosts == hosts and tpu.chips == 4
 
 
@@ -144,9 +160,15 @@ def test_detection_never_imports_torch_xla():
         "import sys; from notebook_launcher import hardware; r = hardware.detect();"
         "print(r.tpu.describe(), 'torch_xla' in sys.modules)"
     )
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{FAKE_XLA}:{package_root}",
-           "PJRT_DEVICE": "TPU", "TPU_ACCELERATOR_TYPE": "v6e-1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": f"{FAKE_XLA}:{package_root}",
+        "PJRT_DEVICE": "TPU",
+        "TPU_ACCELERATOR_TYPE": "v6e-1",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
     assert out.stdout.strip() == "TPU v6e-1: 1 chip(s), 1 core(s), 1 process(es) False", out.stderr
 
 
@@ -155,7 +177,10 @@ def test_the_report_says_in_one_line_what_a_tpu_launch_starts(monkeypatch):
     monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v3-8")
     try:
         data = hardware.detect(refresh=True).to_dict()
-        assert data["tpu_summary"] == "TPU v3-8: 4 chip(s), 8 core(s), 4 process(es) of 2 device threads each"
+        assert (
+            data["tpu_summary"]
+            == "TPU v3-8: 4 chip(s), 8 core(s), 4 process(es) of 2 device threads each"
+        )
         assert data["default_num_processes"] == 4 and data["max_num_processes"] == 4
     finally:
         monkeypatch.undo()

@@ -62,7 +62,10 @@ def test_a_failing_rank_shows_its_traceback_in_the_cell_and_a_rerun_works(kaggle
         notebook_launcher(diverge, args=(3.0,))
         """
     )
-    assert failing.error is not None and failing.error["ename"] == "RankFailedError[FloatingPointError]"
+    assert (
+        failing.error is not None
+        and failing.error["ename"] == "RankFailedError[FloatingPointError]"
+    )
     assert failing.error["evalue"].startswith("Rank 5 (pid ")
     assert "lr=3.0 diverged on replica 5" in failing.error["evalue"]
     assert "in diverge" in failing.error["evalue"]
@@ -98,7 +101,10 @@ def test_a_cell_defined_data_set_that_raises_fails_the_launch_and_objects_come_b
     # that rank's epoch early and the launch would have finished.
     assert failing.error is not None and failing.error["ename"] == "RankFailedError[OSError]"
     assert failing.error["evalue"].startswith("Rank 6 (pid ")
-    assert "shard 45 is unreadable" in failing.error["evalue"] and "in __getitem__" in failing.error["evalue"]
+    assert (
+        "shard 45 is unreadable" in failing.error["evalue"]
+        and "in __getitem__" in failing.error["evalue"]
+    )
     assert_no_ranks_left(kaggle_kernel.pid)
     objects = kaggle_kernel.run(
         """

@@ -36,13 +36,19 @@ def where_am_i(tag):
     print(f"python print {ordinal}")
     os.write(1, f"raw fd write {ordinal}\n".encode())
     return {
-        "tag": tag, "ordinal": ordinal, "world": xr.world_size(), "pid": os.getpid(),
-        "RANK": os.environ["RANK"], "addresses": os.environ.get("TPU_PROCESS_ADDRESSES"),
+        "tag": tag,
+        "ordinal": ordinal,
+        "world": xr.world_size(),
+        "pid": os.getpid(),
+        "RANK": os.environ["RANK"],
+        "addresses": os.environ.get("TPU_PROCESS_ADDRESSES"),
     }
 
 
 @pytest.mark.parametrize("tpu_machine", ["kaggle-v5e-8"], indirect=True)
-def test_kaggles_v5e_8_runs_the_function_in_8_processes_with_prefixed_output(tpu_machine, capfd, leak_check):
+def test_kaggles_v5e_8_runs_the_function_in_8_processes_with_prefixed_output(
+    tpu_machine, capfd, leak_check
+):
     values = notebook_launcher(where_am_i, args=("hi",), return_all=True)
     assert [v["ordinal"] for v in values] == list(range(8))
     assert {v["world"] for v in values} == {8} and len({v["pid"] for v in values}) == 8
@@ -63,20 +69,28 @@ def test_a_single_chip_runs_one_rank_and_returns_its_value(tpu_machine, leak_che
 
 @pytest.mark.parametrize("tpu_machine", ["tpu-vm-v4-8"], indirect=True)
 def test_num_processes_1_runs_one_process_as_torch_xla_allows(tpu_machine, leak_check):
-    assert notebook_launcher(where_am_i, args=("x",), num_processes=1, return_all=True)[0]["world"] == 1
+    assert (
+        notebook_launcher(where_am_i, args=("x",), num_processes=1, return_all=True)[0]["world"]
+        == 1
+    )
 
 
 @pytest.mark.parametrize("tpu_machine", ["kaggle-v5e-8"], indirect=True)
 def test_a_process_count_torch_xla_cannot_start_is_refused_with_the_reason(tpu_machine, leak_check):
-    with pytest.raises(LaunchConfigError, match=(
-        r"num_processes=3 cannot run on this TPU: torch_xla starts either one process per chip, "
-        r"all 8 of them, or a single process.*Use num_processes=8, or 1"
-    )):
+    with pytest.raises(
+        LaunchConfigError,
+        match=(
+            r"num_processes=3 cannot run on this TPU: torch_xla starts either one process per chip, "
+            r"all 8 of them, or a single process.*Use num_processes=8, or 1"
+        ),
+    ):
         notebook_launcher(where_am_i, args=("x",), num_processes=3)
 
 
 @pytest.mark.parametrize("tpu_machine", ["kaggle-v3-8"], indirect=True)
-def test_v3_chips_run_two_replicas_per_rank_and_each_rank_returns_its_first(tpu_machine, leak_check):
+def test_v3_chips_run_two_replicas_per_rank_and_each_rank_returns_its_first(
+    tpu_machine, leak_check
+):
     values = notebook_launcher(where_am_i, args=("v3",), return_all=True)
     assert [v["ordinal"] for v in values] == [0, 2, 4, 6] and {v["world"] for v in values} == {8}
 
@@ -84,9 +98,11 @@ def test_v3_chips_run_two_replicas_per_rank_and_each_rank_returns_its_first(tpu_
 @pytest.mark.parametrize("precision", ["fp16", "fp8"])
 @pytest.mark.parametrize("tpu_machine", ["colab-v5e-1"], indirect=True)
 def test_fp16_and_fp8_are_refused_on_tpu_with_the_reason(tpu_machine, precision, leak_check):
-    reasons = {"fp16": r"fp16 is not supported on TPU; use bf16 \(TPU cores compute in bfloat16",
-               "fp8": r"fp8 needs a Hopper-class NVIDIA GPU .* this machine has TPU cores, whose "
-                      r"reduced precision is bf16"}
+    reasons = {
+        "fp16": r"fp16 is not supported on TPU; use bf16 \(TPU cores compute in bfloat16",
+        "fp8": r"fp8 needs a Hopper-class NVIDIA GPU .* this machine has TPU cores, whose "
+        r"reduced precision is bf16",
+    }
     with pytest.raises(LaunchConfigError, match=reasons[precision]):
         notebook_launcher(where_am_i, args=("x",), mixed_precision=precision)
 
@@ -100,7 +116,9 @@ def fail_on(bad):
 
 
 @pytest.mark.parametrize("tpu_machine", ["tpu-vm-v4-8"], indirect=True)
-def test_a_failing_rank_is_named_with_its_traceback_and_type_and_the_others_stop(tpu_machine, leak_check):
+def test_a_failing_rank_is_named_with_its_traceback_and_type_and_the_others_stop(
+    tpu_machine, leak_check
+):
     with pytest.raises(RankFailedError) as caught:
         notebook_launcher(fail_on, args=(2,))
     error = caught.value
@@ -113,7 +131,9 @@ def test_a_failing_rank_is_named_with_its_traceback_and_type_and_the_others_stop
 
 @pytest.mark.parametrize("tpu_machine", ["kaggle-v3-8"], indirect=True)
 def test_a_failure_in_the_second_replica_of_a_v3_process_fails_its_rank(tpu_machine, leak_check):
-    with pytest.raises(RankFailedError, match=r"^Rank 1 \(pid \d+\) raised ValueError: shard 3 is corrupt"):
+    with pytest.raises(
+        RankFailedError, match=r"^Rank 1 \(pid \d+\) raised ValueError: shard 3 is corrupt"
+    ):
         notebook_launcher(fail_on, args=(3,))
 
 
@@ -124,7 +144,9 @@ def sleep_forever():
 
 @pytest.mark.parametrize("tpu_machine", ["tpu-vm-v4-8"], indirect=True)
 def test_a_hung_tpu_launch_ends_at_its_timeout(tpu_machine, leak_check):
-    with pytest.raises(LaunchTimeoutError, match=r"ran past timeout=3s; rank\(s\) 0, 1, 2, 3 were still running"):
+    with pytest.raises(
+        LaunchTimeoutError, match=r"ran past timeout=3s; rank\(s\) 0, 1, 2, 3 were still running"
+    ):
         notebook_launcher(sleep_forever, timeout=3)
 
 
@@ -155,11 +177,14 @@ def test_xla_used_in_the_kernel_is_refused_before_anything_starts(tpu_machine, l
     import torch_xla
 
     torch_xla.device()  # a cell that touched the XLA device
-    with pytest.raises(LaunchConfigError, match=(
-        r"torch_xla's runtime is already running in this kernel: a cell that used an XLA device "
-        r"\(torch_xla.device\(\).*Restart the kernel, then use XLA devices .* only inside the "
-        r"launched function"
-    )):
+    with pytest.raises(
+        LaunchConfigError,
+        match=(
+            r"torch_xla's runtime is already running in this kernel: a cell that used an XLA device "
+            r"\(torch_xla.device\(\).*Restart the kernel, then use XLA devices .* only inside the "
+            r"launched function"
+        ),
+    ):
         notebook_launcher(where_am_i, args=("x",))
 
 
@@ -168,23 +193,31 @@ def test_an_accelerator_made_in_the_kernel_is_named_as_what_started_xla(tpu_mach
     from notebook_launcher import Accelerator
 
     Accelerator()
-    with pytest.raises(LaunchConfigError, match=(
-        r"already running in this kernel: an Accelerator\(\) created in this process \(outside a "
-        r"launch\) started it"
-    )):
+    with pytest.raises(
+        LaunchConfigError,
+        match=(
+            r"already running in this kernel: an Accelerator\(\) created in this process \(outside a "
+            r"launch\) started it"
+        ),
+    ):
         notebook_launcher(where_am_i, args=("x",))
 
 
 @pytest.mark.parametrize("tpu_machine", ["colab-v5e-1+no-torch-xla"], indirect=True)
 def test_a_tpu_without_torch_xla_is_refused_with_how_to_install_it(tpu_machine, leak_check):
-    with pytest.raises(LaunchUnsupportedError, match=r"this machine has a TPU but torch_xla is not installed"):
+    with pytest.raises(
+        LaunchUnsupportedError, match=r"this machine has a TPU but torch_xla is not installed"
+    ):
         notebook_launcher(where_am_i, args=("x",))
 
 
 @pytest.mark.parametrize("tpu_machine", ["colab-v5e-1"], indirect=True)
 def test_a_start_method_other_than_fork_is_refused_on_tpu(tpu_machine, leak_check):
-    with pytest.raises(LaunchConfigError, match=r"TPU ranks are forked from this kernel by torch_xla.*"
-                       r"start_method='spawn' was asked for"):
+    with pytest.raises(
+        LaunchConfigError,
+        match=r"TPU ranks are forked from this kernel by torch_xla.*"
+        r"start_method='spawn' was asked for",
+    ):
         notebook_launcher(where_am_i, args=("x",), start_method="spawn")
 
 
@@ -197,7 +230,9 @@ def train_with_the_core():
     acc = Accelerator()
     data = TensorDataset(torch.arange(16.0).reshape(8, 2), torch.ones(8, 1))
     model = torch.nn.Linear(2, 1)
-    model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01), DataLoader(data, batch_size=2))
+    model, opt, loader = acc.prepare(
+        model, torch.optim.SGD(model.parameters(), lr=0.01), DataLoader(data, batch_size=2)
+    )
     for x, y in loader:
         loss = torch.nn.functional.mse_loss(model(x), y)
         acc.backward(loss)
@@ -229,7 +264,9 @@ def crash_on(bad):
 
 @pytest.mark.parametrize("tpu_machine", ["tpu-vm-v4-8"], indirect=True)
 def test_a_crashed_tpu_rank_is_reported_with_its_signal_and_last_output(tpu_machine, leak_check):
-    with pytest.raises(RankFailedError, match=r"^Rank 1 \(pid \d+\) was killed by SIGSEGV \(segmentation fault\)") as caught:
+    with pytest.raises(
+        RankFailedError, match=r"^Rank 1 \(pid \d+\) was killed by SIGSEGV \(segmentation fault\)"
+    ) as caught:
         notebook_launcher(crash_on, args=(1,))
     assert "Fatal Python error: Segmentation fault" in str(caught.value)
     assert [f.rank for f in caught.value.failures] == [1]
@@ -237,26 +274,36 @@ def test_a_crashed_tpu_rank_is_reported_with_its_signal_and_last_output(tpu_mach
 
 @pytest.mark.parametrize("tpu_machine", ["tpu-vm-v4-32"], indirect=True)
 def test_one_host_of_a_multi_host_slice_is_refused_with_the_reason(tpu_machine, leak_check):
-    with pytest.raises(LaunchUnsupportedError, match=(
-        r"this machine is one of 4 hosts of a TPU v4-32 slice \(TPU_ACCELERATOR_TYPE=v4-32\), and "
-        r"torch_xla's runtime waits until the processes of every host have joined"
-    )):
+    with pytest.raises(
+        LaunchUnsupportedError,
+        match=(
+            r"this machine is one of 4 hosts of a TPU v4-32 slice \(TPU_ACCELERATOR_TYPE=v4-32\), and "
+            r"torch_xla's runtime waits until the processes of every host have joined"
+        ),
+    ):
         notebook_launcher(where_am_i, args=("x",))
 
 
 @pytest.mark.parametrize("tpu_machine", ["tpu-vm-v4-8"], indirect=True)
 def test_a_slice_named_by_its_worker_hostnames_is_refused_too(tpu_machine, leak_check):
-    with pytest.MonkeyPatch.context() as patch, pytest.raises(LaunchUnsupportedError, match=(
-        r"this machine is one of 2 hosts of a TPU v4-8 slice \(TPU_WORKER_HOSTNAMES lists 2 hosts\)"
-    )):
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        pytest.raises(
+            LaunchUnsupportedError,
+            match=(
+                r"this machine is one of 2 hosts of a TPU v4-8 slice \(TPU_WORKER_HOSTNAMES lists 2 hosts\)"
+            ),
+        ),
+    ):
         patch.setenv("TPU_WORKER_HOSTNAMES", "a,b")
         notebook_launcher(where_am_i, args=("x",))
 
 
 @pytest.mark.parametrize("tpu_machine", ["tpu-vm-v4-8"], indirect=True)
 def test_a_slice_named_by_its_host_bounds_is_refused_too(tpu_machine, leak_check):
-    with pytest.MonkeyPatch.context() as patch, pytest.raises(
-        LaunchUnsupportedError, match=r"one of 2 hosts .*\(TPU_HOST_BOUNDS=1,2,1\)"
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        pytest.raises(LaunchUnsupportedError, match=r"one of 2 hosts .*\(TPU_HOST_BOUNDS=1,2,1\)"),
     ):
         patch.setenv("TPU_HOST_BOUNDS", "1,2,1")
         notebook_launcher(where_am_i, args=("x",))
@@ -295,9 +342,10 @@ def metadata_server(monkeypatch):
 def test_a_slice_the_vms_metadata_lists_several_workers_of_is_refused_too(
     metadata_server, tpu_machine, leak_check
 ):
-    with pytest.raises(LaunchUnsupportedError, match=(
-        r"one of 2 hosts of a TPU v4-8 slice \(the VM's metadata lists 2 workers\)"
-    )):
+    with pytest.raises(
+        LaunchUnsupportedError,
+        match=(r"one of 2 hosts of a TPU v4-8 slice \(the VM's metadata lists 2 workers\)"),
+    ):
         notebook_launcher(where_am_i, args=("x",))
     assert metadata_server == [
         ("/computeMetadata/v1/instance/attributes/worker-network-endpoints", "Google")

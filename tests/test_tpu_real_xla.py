@@ -25,12 +25,16 @@ ROOT = Path(__file__).parents[1]
 
 @pytest.fixture(scope="module")
 def launched() -> subprocess.CompletedProcess[str]:
-    torch_xla = pytest.importorskip("torch_xla", reason="the real torch_xla runs in .venv-xla: make test-xla")
+    torch_xla = pytest.importorskip(
+        "torch_xla", reason="the real torch_xla runs in .venv-xla: make test-xla"
+    )
     if str(getattr(torch_xla, "__version__", "")).endswith("+fake"):
         pytest.skip("the fake torch_xla is on the path")
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT)}
     env.pop("NOTEBOOK_LAUNCHER_LAUNCH_ID", None)
-    result = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=840)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=840
+    )
     print(result.stdout)
     print(result.stderr[-4000:], file=sys.stderr)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -59,7 +63,9 @@ def test_bf16_runs_on_xla(launched):
 
 
 def test_an_error_raised_in_the_xla_rank_comes_back_with_its_type_and_traceback(launched):
-    assert _line(launched, "error type:") == "error type: RankFailedError[KeyError] is KeyError: True"
+    assert (
+        _line(launched, "error type:") == "error type: RankFailedError[KeyError] is KeyError: True"
+    )
     assert "raised KeyError: 'the XLA rank raised this on purpose'" in launched.stdout
     assert 'in fail\n    raise KeyError("the XLA rank raised this on purpose")' in launched.stdout
     assert _line(launched, "kernel environment unchanged:").endswith("True")
@@ -71,7 +77,9 @@ def _json(result: subprocess.CompletedProcess[str], prefix: str) -> dict:
     return json.loads(_line(result, prefix).removeprefix(prefix))
 
 
-def test_a_data_set_that_raises_in_torch_xlas_loader_thread_fails_the_rank_with_that_error(launched):
+def test_a_data_set_that_raises_in_torch_xlas_loader_thread_fails_the_rank_with_that_error(
+    launched,
+):
     # torch_xla's ParallelLoader reads in a daemon thread that prints the error and ends the
     # epoch as if the data had run out: the launch finished "done" after 5 of 8 batches.
     error = _json(launched, "data error:")

@@ -55,9 +55,14 @@ def test_a_data_set_that_raises_fails_its_rank_with_that_error(tpu_machine, leak
 
 
 @pytest.mark.parametrize("tpu_machine", ["colab-v5e-1"], indirect=True)
-def test_numpy_values_and_dataclasses_travel_through_torch_xla_on_one_replica(tpu_machine, leak_check):
+def test_numpy_values_and_dataclasses_travel_through_torch_xla_on_one_replica(
+    tpu_machine, leak_check
+):
     value = notebook_launcher(cases.exchange_objects)
-    assert value["gathered"] == "[[np.float64(0.0), array([0, 1, 2]), Score(name='accuracy', value=0.75)]]"
+    assert (
+        value["gathered"]
+        == "[[np.float64(0.0), array([0, 1, 2]), Score(name='accuracy', value=0.75)]]"
+    )
     assert value["sent"] == "[Score(name='lr of 0', value=0.1), np.int64(7)]"
     assert value["tensor in an object"] == ["cpu", [0.0, 1.0, 2.0]]  # as xm.mesh_reduce gave them
     assert value["refused"].startswith(
@@ -85,7 +90,9 @@ def test_the_cores_collectives_across_xla_replicas(tpu_machine, leak_check):
 
 
 @pytest.mark.parametrize("tpu_machine", ["kaggle-v3-8"], indirect=True)
-def test_dispatched_batches_reach_v3_replicas_that_are_threads_of_one_process(tpu_machine, leak_check):
+def test_dispatched_batches_reach_v3_replicas_that_are_threads_of_one_process(
+    tpu_machine, leak_check
+):
     # The dispatch runs collectives: in the replica's own thread, never in the loader's,
     # which is no replica of its own (both replicas of a process would speak as one).
     values = notebook_launcher(cases.dispatched_samples, timeout=240, return_all=True)
@@ -95,7 +102,9 @@ def test_dispatched_batches_reach_v3_replicas_that_are_threads_of_one_process(tp
 
 @pytest.mark.parametrize("tpu_machine", ["tpu-vm-v4-8"], indirect=True)
 def test_a_mean_of_integers_is_refused_on_xla_as_elsewhere(tpu_machine, leak_check):
-    with pytest.raises(RankFailedError, match=r"result type Float can't be cast to the desired output type Long"):
+    with pytest.raises(
+        RankFailedError, match=r"result type Float can't be cast to the desired output type Long"
+    ):
         notebook_launcher(reduce_integers_by_mean)
 
 
@@ -110,16 +119,21 @@ def reduce_integers_by_mean():
 def test_an_object_that_cannot_be_pickled_fails_every_replica_instead_of_hanging_the_others(
     tpu_machine, leak_check
 ):
-    with pytest.raises(RankFailedError, match=(
-        r"CollectiveError: gather_object sends each replica's object pickled, but some could not "
-        r"be pickled \(replica 2: TypeError: cannot pickle '_thread.lock' object\)\. Pass plain data"
-    )) as caught:
+    with pytest.raises(
+        RankFailedError,
+        match=(
+            r"CollectiveError: gather_object sends each replica's object pickled, but some could not "
+            r"be pickled \(replica 2: TypeError: cannot pickle '_thread.lock' object\)\. Pass plain data"
+        ),
+    ) as caught:
         notebook_launcher(cases.gather_a_lock, args=(2,), timeout=120)
     assert "timeout" not in str(caught.value)
 
 
 @pytest.mark.parametrize("tpu_machine", ["colab-v5e-1", "tpu-vm-v4-8"], indirect=True)
-def test_a_loader_left_early_and_a_thread_left_running_do_not_hold_the_rank(tpu_machine, leak_check):
+def test_a_loader_left_early_and_a_thread_left_running_do_not_hold_the_rank(
+    tpu_machine, leak_check
+):
     values = notebook_launcher(cases.leave_things_running, timeout=120, return_all=True)
     assert values == [{"loader_threads": [], "loader_workers": 0}] * tpu_machine.chips
 

@@ -29,7 +29,10 @@ def test_the_python_build_reads_its_version_from_package_json() -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "version" not in pyproject["project"], "a second version in pyproject.toml"
     assert "version" in pyproject["project"]["dynamic"]
-    assert pyproject["tool"]["hatch"]["version"] == {"source": "nodejs", "path": "extension/package.json"}
+    assert pyproject["tool"]["hatch"]["version"] == {
+        "source": "nodejs",
+        "path": "extension/package.json",
+    }
     assert any(r.startswith("hatch-nodejs-version") for r in pyproject["build-system"]["requires"])
 
 

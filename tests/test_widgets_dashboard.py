@@ -100,7 +100,11 @@ def test_the_final_state_is_drawn_at_once_and_stays(board):
     assert dashboard.accordion.selected_index is None  # collapsed: raw output on demand
     # The lasting record: the final table, the plot and the traceback, as plain HTML.
     record = dashboard.final_html
-    assert "ValueError: bad batch" in record and "stopped" in record and "Traceback of rank 1" in record
+    assert (
+        "ValueError: bad batch" in record
+        and "stopped" in record
+        and "Traceback of rank 1" in record
+    )
     assert svg_width(re.search(r"<svg.*</svg>", record, re.S).group(0)) > 100
 
 
@@ -120,13 +124,19 @@ def test_a_dashboard_failure_warns_once_and_never_ends_the_launch(board, monkeyp
     monkeypatch.setattr("notebook_launcher.widgets.dashboard.render_svg", broken)
     clock.now += 5
     dashboard.on_event(logged(0, {"loss": 0.5}, 0))
-    with pytest.warns(DashboardWarning, match="The launch dashboard stopped updating because of RuntimeError: frontend gone"):
+    with pytest.warns(
+        DashboardWarning,
+        match="The launch dashboard stopped updating because of RuntimeError: frontend gone",
+    ):
         dashboard.on_event(OutputLine(0, "stdout", "still training", False))
     dashboard.on_event(RankFinished(0, 0, None))
     dashboard.on_event(RankFinished(1, 0, None))
     dashboard.on_event(LaunchFinished("ok", 5.0))
     # The record still reaches its final state, and says why the plot is missing.
-    assert dashboard.final_html.count("nl-done") == 2 and "finished after 5.0 s" in dashboard.final_html
+    assert (
+        dashboard.final_html.count("nl-done") == 2
+        and "finished after 5.0 s" in dashboard.final_html
+    )
     assert "The plot could not be drawn: RuntimeError: frontend gone" in dashboard.final_html
 
 
@@ -151,8 +161,12 @@ def test_what_the_throttle_held_back_is_drawn_while_ranks_are_silent(capsys):
 
 
 def test_the_plot_has_one_panel_per_metric_and_grows_with_them():
-    one = render_svg({("loss", 0): Curve([0, 1], [1.0, 0.5], 2), ("loss", 1): Curve([0, 1], [1.1, 0.4], 2)})
-    three = render_svg({(name, 0): Curve([0, 1], [1.0, 0.5], 2) for name in ("loss", "lr", "accuracy")})
+    one = render_svg(
+        {("loss", 0): Curve([0, 1], [1.0, 0.5], 2), ("loss", 1): Curve([0, 1], [1.1, 0.4], 2)}
+    )
+    three = render_svg(
+        {(name, 0): Curve([0, 1], [1.0, 0.5], 2) for name in ("loss", "lr", "accuracy")}
+    )
     assert svg_width(three.svg) > 2 * svg_width(one.svg)
 
 
@@ -199,8 +213,12 @@ def test_a_large_plot_is_sent_less_often(board, monkeypatch):
     names = [f"metric_{i}" for i in range(24)]
     for step in range(2_000):  # 20 s of a loop logging 100 times a second
         clock.now += 0.01
-        dashboard.on_event(logged(step % 2, {name: 1 / (step + 1 + i) for i, name in enumerate(names)}, step // 2))
-        dashboard.on_event(OutputLine(0, "stdout", f"step {step}", False))  # redraws come with events
+        dashboard.on_event(
+            logged(step % 2, {name: 1 / (step + 1 + i) for i, name in enumerate(names)}, step // 2)
+        )
+        dashboard.on_event(
+            OutputLine(0, "stdout", f"step {step}", False)
+        )  # redraws come with events
     assert len(dashboard.plot.value) > 7 * 50_000
     assert 1 <= len(plot) <= 4  # not once a second
 

@@ -22,18 +22,24 @@ from notebook_launcher.widgets.frontend import choose_view
         (False, "none", True, None),
     ],
 )
-def test_the_view_follows_the_setting_and_where_the_code_runs(dashboard, shell, has_ipywidgets, view):
+def test_the_view_follows_the_setting_and_where_the_code_runs(
+    dashboard, shell, has_ipywidgets, view
+):
     assert choose_view(dashboard, shell, has_ipywidgets) == view
 
 
 @pytest.mark.parametrize("wrong", ["on", "widgets", 1, 0, None, 1.0])
 def test_an_unknown_dashboard_setting_is_refused_with_the_choices(wrong):
-    with pytest.raises(LaunchConfigError, match=rf"dashboard={wrong!r} is not a dashboard setting; use 'auto'"):
+    with pytest.raises(
+        LaunchConfigError, match=rf"dashboard={wrong!r} is not a dashboard setting; use 'auto'"
+    ):
         choose_view(wrong, "kernel", True)
 
 
 def test_asking_for_widgets_without_ipywidgets_in_a_notebook_says_how_to_get_them():
-    with pytest.raises(LaunchConfigError, match=r"dashboard=True needs ipywidgets .* `pip install ipywidgets`"):
+    with pytest.raises(
+        LaunchConfigError, match=r"dashboard=True needs ipywidgets .* `pip install ipywidgets`"
+    ):
         choose_view(True, "kernel", False)
 
 

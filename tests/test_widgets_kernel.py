@@ -84,7 +84,9 @@ def test_configure_shows_a_panel_of_widget_models_with_impossible_choices_disabl
     assert cell.error is None, cell.error
     models = opened(cell)
     fp8 = models[model_with(models, "ButtonModel", description="fp8")]
-    assert fp8["disabled"] is True and fp8["tooltip"].startswith("fp8 needs a Hopper-class NVIDIA GPU")
+    assert fp8["disabled"] is True and fp8["tooltip"].startswith(
+        "fp8 needs a Hopper-class NVIDIA GPU"
+    )
     assert models[model_with(models, "ButtonModel", description="bf16")]["disabled"] is False
     shown = [m for m in cell.messages if m["msg_type"] == "display_data"]
     assert len(shown) == 1 and shown[0]["content"]["data"][WIDGET_VIEW]["model_id"] in models
@@ -97,13 +99,17 @@ def test_a_choice_made_in_the_panel_drives_the_next_launch(kernel):
     processes = model_with(models, "DropdownModel")
     one_rank = models[processes]["_options_labels"].index("1")
     send_from_frontend(kernel, bf16, {"method": "custom", "content": {"event": "click"}})
-    send_from_frontend(kernel, processes, {"method": "update", "state": {"index": one_rank}, "buffer_paths": []})
+    send_from_frontend(
+        kernel, processes, {"method": "update", "state": {"index": one_rank}, "buffer_paths": []}
+    )
     try:
         launched = kernel.run("notebook_launcher(report)")
         assert launched.error is None, launched.error
         assert "[rank0]: WORLD_SIZE 1 precision bf16" in launched.stdout
         assert "[rank1]" not in launched.stdout
-        explicit = kernel.run("notebook_launcher(report, num_processes=2, mixed_precision='no', dashboard=False)")
+        explicit = kernel.run(
+            "notebook_launcher(report, num_processes=2, mixed_precision='no', dashboard=False)"
+        )
         assert "[rank1]: WORLD_SIZE 2 precision no" in explicit.stdout  # arguments still win
     finally:
         kernel.run("from notebook_launcher import defaults; defaults.set_kernel_defaults(None)")
@@ -112,7 +118,10 @@ def test_a_choice_made_in_the_panel_drives_the_next_launch(kernel):
 def test_configure_from_code_returns_the_settings_and_shows_nothing(kernel):
     cell = kernel.run("configure(num_processes=2, mixed_precision='bf16')")
     try:
-        assert cell.result == "LaunchDefaults(num_processes=2, mixed_precision='bf16', start_method=None)"
+        assert (
+            cell.result
+            == "LaunchDefaults(num_processes=2, mixed_precision='bf16', start_method=None)"
+        )
         assert opened(cell) == {}
         launched = kernel.run("notebook_launcher(report, dashboard=False)")
         assert "[rank1]: WORLD_SIZE 2 precision bf16" in launched.stdout
@@ -124,7 +133,9 @@ def test_a_launch_sends_dashboard_updates_ending_in_every_rank_done_and_a_plot(k
     cell = kernel.run("notebook_launcher(train, args=(25,), num_processes=2)")
     assert cell.error is None, cell.error
     models = opened(cell)
-    rows = next(i for i, s in models.items() if s["_model_name"] == "HTMLModel" and "<table" in s["value"])
+    rows = next(
+        i for i, s in models.items() if s["_model_name"] == "HTMLModel" and "<table" in s["value"]
+    )
     final_rows = updates(cell, rows)[-1]["content"]["data"]["state"]["value"]
     assert final_rows.count("nl-rank nl-done") == 2
     assert "25/25" in final_rows and "rank 1 finished" in final_rows
@@ -135,8 +146,14 @@ def test_a_launch_sends_dashboard_updates_ending_in_every_rank_done_and_a_plot(k
     assert len(sent) <= span_s / ROWS_INTERVAL_S + 1 + FORCED_REDRAWS, (len(sent), span_s)
     # At the end the widgets give way to the lasting record: HTML with the plot as SVG,
     # and its text form for frontends that draw no widgets.
-    final = [m for m in cell.messages if m["msg_type"] == "update_display_data"][-1]["content"]["data"]
-    assert WIDGET_VIEW not in final and "<svg" in final["text/html"] and "rank 1, loss" in final["text/html"]
+    final = [m for m in cell.messages if m["msg_type"] == "update_display_data"][-1]["content"][
+        "data"
+    ]
+    assert (
+        WIDGET_VIEW not in final
+        and "<svg" in final["text/html"]
+        and "rank 1, loss" in final["text/html"]
+    )
     closed = {m["content"]["comm_id"] for m in cell.messages if m["msg_type"] == "comm_close"}
     assert rows in closed
     text = final["text/plain"]
@@ -148,7 +165,11 @@ def test_a_launch_sends_dashboard_updates_ending_in_every_rank_done_and_a_plot(k
 def test_dashboard_false_sends_no_widget(kernel):
     cell = kernel.run("notebook_launcher(train, args=(3,), num_processes=2, dashboard=False)")
     assert cell.error is None, cell.error
-    assert [m["msg_type"] for m in cell.messages if m["msg_type"].startswith(("comm", "display", "update"))] == []
+    assert [
+        m["msg_type"]
+        for m in cell.messages
+        if m["msg_type"].startswith(("comm", "display", "update"))
+    ] == []
     assert "[rank1]: rank 1 finished" in cell.stdout
 
 
@@ -183,7 +204,9 @@ def test_without_a_widget_frontend_the_launch_reads_as_text(kernel, tmp_path):
     final = texts[-1].splitlines()
     assert final[0].startswith("notebook_launcher: 2 x cpu ranks, fp32, fork: failed after")
     assert final[2].split()[:2] == ["0", "stopped"]
-    assert final[3].split()[:2] == ["1", "failed"] and final[3].endswith("ValueError: rank 1 gives up")
+    assert final[3].split()[:2] == ["1", "failed"] and final[3].endswith(
+        "ValueError: rank 1 gives up"
+    )
 
 
 def test_a_huge_line_and_many_lines_reach_the_widgets_cut_and_leave_nothing_held(kernel, tmp_path):
@@ -206,11 +229,18 @@ def test_a_huge_line_and_many_lines_reach_the_widgets_cut_and_leave_nothing_held
     cell.messages[:0] = live.messages
     assert cell.error is None, cell.error
     models = opened(cell)
-    output = next(i for i, s in models.items() if s["_model_name"] == "HTMLModel" and "<pre" in s["value"])
+    output = next(
+        i for i, s in models.items() if s["_model_name"] == "HTMLModel" and "<pre" in s["value"]
+    )
     shown = updates(cell, output)[-1]["content"]["data"]["state"]["value"]
-    assert "x" * 2000 + "… (19,998,000 more characters)" in shown and "y" * 2000 + "… (1,000 more" in shown
+    assert (
+        "x" * 2000 + "… (19,998,000 more characters)" in shown
+        and "y" * 2000 + "… (1,000 more" in shown
+    )
     assert len(shown) < 150_000  # the panel's last lines, not 20 MB
-    widget_bytes = sum(len(str(m["content"])) for m in cell.messages if m["msg_type"].startswith("comm_"))
+    widget_bytes = sum(
+        len(str(m["content"])) for m in cell.messages if m["msg_type"].startswith("comm_")
+    )
     assert widget_bytes < 2_000_000
     # The cell's own output has every character; the kernel keeps none of the lines.
     assert "x" * 20_000_000 in cell.stdout

@@ -40,7 +40,9 @@ def test_a_choice_from_code_drives_the_next_launches_and_arguments_still_win(lea
     assert notebook_launcher(world_and_precision, dashboard=False) == ("1", "bf16")
     assert notebook_launcher(world_and_precision, num_processes=2, mixed_precision="no",
                              dashboard=False) == ("2", "no")  # fmt: skip
-    assert configure(mixed_precision=None) == defaults.LaunchDefaults(1, None, None)  # back to deciding
+    assert configure(mixed_precision=None) == defaults.LaunchDefaults(
+        1, None, None
+    )  # back to deciding
 
 
 def test_this_kernels_choice_wins_over_the_saved_file_field_by_field(private_defaults):
@@ -103,4 +105,6 @@ def test_on_older_gpus_the_panel_offers_one_rank_per_gpu_and_no_bf16(fake_gpus):
     assert [value for _, value in panel.processes.options] == [0, 1, 2]
     assert panel.precision_buttons["bf16"].disabled and not panel.precision_buttons["fp16"].disabled
     assert "bf16 needs an Ampere or newer GPU" in panel.reasons.value
-    assert "<b>GPU 1</b>: Tesla V100-SXM2-16GB, 16 GiB, compute capability 7.0" in panel.hardware.value
+    assert (
+        "<b>GPU 1</b>: Tesla V100-SXM2-16GB, 16 GiB, compute capability 7.0" in panel.hardware.value
+    )

@@ -186,31 +186,51 @@ def path_points(d: str) -> list[tuple[float, float]]:
 
 
 def test_each_line_passes_through_its_hover_points():
-    record = launched([(0, {"loss": 1.0 / (s + 1) + 0.01 * math.sin(s)}, s) for s in range(30)], ranks=1)
+    record = launched(
+        [(0, {"loss": 1.0 / (s + 1) + 0.01 * math.sin(s)}, s) for s in range(30)], ranks=1
+    )
     document = xml.dom.minidom.parseString(render_svg(record.curves).svg)
-    (line,) = [p for p in document.getElementsByTagName("path") if p.getAttribute("stroke-width") == "1.5"]
+    (line,) = [
+        p for p in document.getElementsByTagName("path") if p.getAttribute("stroke-width") == "1.5"
+    ]
     on_line = path_points(line.getAttribute("d"))
-    circles = [(float(c.getAttribute("cx")), float(c.getAttribute("cy"))) for c in document.getElementsByTagName("circle")]
+    circles = [
+        (float(c.getAttribute("cx")), float(c.getAttribute("cy")))
+        for c in document.getElementsByTagName("circle")
+    ]
     assert len(on_line) == len(circles) == 30
     for (x, y), (cx, cy) in zip(on_line, circles):
-        assert abs(x - cx) < 0.06 and abs(y - cy) < 0.06  # a tenth of a pixel, whatever the path's length
+        assert (
+            abs(x - cx) < 0.06 and abs(y - cy) < 0.06
+        )  # a tenth of a pixel, whatever the path's length
 
 
 def test_many_ranks_over_long_runs_keep_a_record_of_moderate_size():
     # 16 ranks x 6 metrics x 5,000 steps: what the notebook keeps of the launch.
     record = launched(
-        [(rank, {f"metric_{i}": 1.0 / (s + 1 + i) for i in range(6)}, s) for s in range(5000) for rank in range(16)],
+        [
+            (rank, {f"metric_{i}": 1.0 / (s + 1 + i) for i in range(6)}, s)
+            for s in range(5000)
+            for rank in range(16)
+        ],
         ranks=16,
     )
     svg = render_svg(record.curves).svg
     assert len(svg) < 300_000
     document = xml.dom.minidom.parseString(svg)
     groups = document.getElementsByTagName("g")
-    points = [len(g.getElementsByTagName("circle")) for g in groups if g.getAttribute("class") == "nl-point"]
+    points = [
+        len(g.getElementsByTagName("circle"))
+        for g in groups
+        if g.getAttribute("class") == "nl-point"
+    ]
     assert len(points) == 16 * 6 and min(points) >= 12  # every curve still answers a hover
 
 
 def test_axis_labels_between_thousands_read_as_plain_numbers():
     record = launched([(0, {"tokens_per_second": 1000.0 + s}, s) for s in range(30)], ranks=1)
-    labels = re.findall(r'text-anchor="end" fill="currentColor" fill-opacity="0.7">([^<]+)<', render_svg(record.curves).svg)
+    labels = re.findall(
+        r'text-anchor="end" fill="currentColor" fill-opacity="0.7">([^<]+)<',
+        render_svg(record.curves).svg,
+    )
     assert labels[:3] == ["1000", "1014", "1029"]

@@ -47,7 +47,9 @@ def test_the_state_before_the_first_update_has_no_rate_yet():
 
 
 def test_the_rate_and_remaining_time_are_kept_as_printed():
-    parsed = parse_progress_line("train:  45%|####5     | 45/100 [00:01<00:01, 40.20it/s, loss=0.3]")
+    parsed = parse_progress_line(
+        "train:  45%|####5     | 45/100 [00:01<00:01, 40.20it/s, loss=0.3]"
+    )
     assert parsed == TextProgress(45, 100, "train", "40.20it/s", "00:01")
 
 

@@ -73,7 +73,9 @@ def test_rows_count_time_from_the_launchs_start_before_their_rank_process_exists
     record = DashboardRecord(clock)
     record.apply(LaunchStarted(2, "forkserver", "cpu", "no", None))
     clock.now += 3.0  # the kernel imports torch, a forkserver starts: no rank process yet
-    assert [(row.state, row.elapsed(clock.now)) for row in record.rows.values()] == [("starting", 3.0)] * 2
+    assert [(row.state, row.elapsed(clock.now)) for row in record.rows.values()] == [
+        ("starting", 3.0)
+    ] * 2
     assert views.rows_html(record, clock.now).count(">3.0 s</td>") == 2
     record.apply(RankStarted(0, 1000, "cpu"))
     clock.now += 1.0
@@ -113,7 +115,9 @@ def test_an_interrupted_launch_leaves_no_rank_running():
 def test_a_crash_without_exception_says_how_the_rank_ended():
     killed = RankFailure(1, 1234, -9)
     assert failure_line(killed).startswith("was killed by SIGKILL")
-    assert failure_line(RankFailure(0, None, 3)) == "exited with code 3 without raising an exception"
+    assert (
+        failure_line(RankFailure(0, None, 3)) == "exited with code 3 without raising an exception"
+    )
 
 
 def test_core_progress_wins_over_a_printed_bar_of_the_same_rank():
@@ -183,7 +187,10 @@ def test_the_html_rows_mark_states_and_highlight_the_failing_rank():
     record.apply(RankFinished(1, 1, failure(), "failed"))
     table = views.rows_html(record, 0.0)
     assert 'class="nl-rank nl-running" data-rank="0"' in table
-    assert 'class="nl-rank nl-failed" data-rank="1" style="background: rgba(214, 39, 40, 0.12);"' in table
+    assert (
+        'class="nl-rank nl-failed" data-rank="1" style="background: rgba(214, 39, 40, 0.12);"'
+        in table
+    )
     assert "ValueError: learning rate 10.0 is too large" in table
     assert "&lt;b&gt;not markup&lt;/b&gt;" in table and "<b>not markup" not in table
     assert "width: 50.0%" in table and "5/10" in table
@@ -231,7 +238,11 @@ def metric_streams() -> dict[str, list[RankMetrics]]:
         logged(
             chance.randrange(4),
             {
-                **({"loss": chance.choice(odd_values)} if chance.random() < 0.02 else {"loss": chance.random()}),
+                **(
+                    {"loss": chance.choice(odd_values)}
+                    if chance.random() < 0.02
+                    else {"loss": chance.random()}
+                ),
                 **({"val": 0.5} if i % 7 == 0 else {}),
             },
             None if chance.random() < 0.01 else i,
@@ -242,17 +253,37 @@ def metric_streams() -> dict[str, list[RankMetrics]]:
     alike = [logged(0, {"loss" if i % 3 else "\x1b[31mloss\x1b[0m": float(i)}, i) for i in range(n)]
     # A name made per call: past METRICS_KEPT names, values are counted and not kept. (One
     # rank: which names are the first to reach the kernel depends on how ranks interleave.)
-    per_call = [logged(0, {"loss": float(i), f"sample_{i}": 1.0}, i) for i in range(METRICS_KEPT + 300)]
-    return {"plain": plain, "no step": no_step, "mixed": mixed, "alike": alike, "per call": per_call}
+    per_call = [
+        logged(0, {"loss": float(i), f"sample_{i}": 1.0}, i) for i in range(METRICS_KEPT + 300)
+    ]
+    return {
+        "plain": plain,
+        "no step": no_step,
+        "mixed": mixed,
+        "alike": alike,
+        "per call": per_call,
+    }
 
 
 def kept(record: DashboardRecord) -> str:
     """Everything the record keeps of metrics, NaN included (as text: nan is not nan)."""
     curves = [
-        (key, list(c.steps), list(c.values), c.calls, c.stride, c.nonfinite, c.nonfinite_calls, c.last)
+        (
+            key,
+            list(c.steps),
+            list(c.values),
+            c.calls,
+            c.stride,
+            c.nonfinite,
+            c.nonfinite_calls,
+            c.last,
+        )
         for key, c in sorted(record.curves.items())
     ]
-    rows = [(rank, row.state, list(row.last_metrics.items())) for rank, row in sorted(record.rows.items())]
+    rows = [
+        (rank, row.state, list(row.last_metrics.items()))
+        for rank, row in sorted(record.rows.items())
+    ]
     return repr((curves, rows, record.values_not_kept, record.names_not_kept))
 
 
@@ -277,20 +308,27 @@ def test_a_metric_name_made_per_call_keeps_a_bounded_record_and_says_what_it_lef
     record = DashboardRecord(clock)
     started(record, clock)
     calls = METRICS_KEPT + 5000
-    for batch in in_batches(metric_streams()["per call"][:2] + [
-        logged(0, {"loss": 0.5, f"<b>sample</b>_{i}": 1.0}, i) for i in range(calls)
-    ], 700):
+    for batch in in_batches(
+        metric_streams()["per call"][:2]
+        + [logged(0, {"loss": 0.5, f"<b>sample</b>_{i}": 1.0}, i) for i in range(calls)],
+        700,
+    ):
         record.apply(batch)
     names = {name for name, _ in record.curves}
     assert len(names) == METRICS_KEPT and "loss" in names
     assert record.values_not_kept == calls + 2 - (METRICS_KEPT - 1)
-    assert record.rows[0].last_metrics["loss"] == 0.5 and len(record.rows[0].last_metrics) <= METRICS_KEPT
+    assert (
+        record.rows[0].last_metrics["loss"] == 0.5
+        and len(record.rows[0].last_metrics) <= METRICS_KEPT
+    )
     note = record.metrics_note()
     assert note is not None and f"past the first {METRICS_KEPT:,}" in note
     assert "<b>sample</b>_" in note and len(record.names_not_kept) == 3
     assert record_data(record)["values_not_kept"] == record.values_not_kept
     page = record_html(record, render_svg(record.shown_curves()))
-    assert "&lt;b&gt;sample&lt;/b&gt;_" in page and "were not kept" in page and "<b>sample" not in page
+    assert (
+        "&lt;b&gt;sample&lt;/b&gt;_" in page and "were not kept" in page and "<b>sample" not in page
+    )
 
 
 def test_each_rank_peak_memory_is_a_column_of_the_text_html_and_data():
@@ -308,12 +346,17 @@ def test_each_rank_peak_memory_is_a_column_of_the_text_html_and_data():
     table = views.rows_html(record, clock.now)
     assert ">peak memory</th>" in table
     assert 'title="peak resident memory (RSS) on cpu"' in table and ">339 MB</span>" in table
-    assert 'title="peak CUDA memory allocated on cuda:1"' in table and ">2.4 GB cuda</span>" in table
+    assert (
+        'title="peak CUDA memory allocated on cuda:1"' in table and ">2.4 GB cuda</span>" in table
+    )
     lasting = record_html(record, None)  # what a saved notebook keeps
     assert ">peak memory</th>" in lasting and '<span class="nl-memory">339 MB</span>' in lasting
     ranks = record_data(record)["ranks"]
     assert ranks[0]["peak_memory"] == {
-        "kind": "rss", "peak_bytes": 338_952_192, "current_bytes": 330_000_000, "device": "cpu"
+        "kind": "rss",
+        "peak_bytes": 338_952_192,
+        "current_bytes": 330_000_000,
+        "device": "cpu",
     }
     assert ranks[1]["peak_memory"]["kind"] == "cuda"
 

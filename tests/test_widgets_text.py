@@ -36,7 +36,9 @@ def count_with_the_core_bar(steps):
 
 def test_the_cores_tqdm_reports_every_ranks_count_and_shows_the_same_bar(capfd, leak_check):
     collect = Collect()
-    notebook_launcher(count_with_the_core_bar, (30,), num_processes=2, observers=[collect], dashboard=False)
+    notebook_launcher(
+        count_with_the_core_bar, (30,), num_processes=2, observers=[collect], dashboard=False
+    )
     progress = [e for e in collect.events if isinstance(e, RankProgress)]
     for rank in (0, 1):  # rank 1's bar is hidden (main_process_only), yet it reports
         mine = [(e.n, e.total, e.description) for e in progress if e.rank == rank]
@@ -81,7 +83,9 @@ except ValueError as error:
 
 def final_table(stderr: str) -> list[list[str]]:
     lines = stderr.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("notebook_launcher: 2 x cpu ranks"))
+    start = next(
+        i for i, line in enumerate(lines) if line.startswith("notebook_launcher: 2 x cpu ranks")
+    )
     return [line.split() for line in lines[start + 1 : start + 4]]
 
 
@@ -90,13 +94,17 @@ def check_text_dashboard(stderr: str) -> None:
     header, rank0, rank1 = final_table(stderr)
     assert header[:5] == ["rank", "state", "device", "pid", "elapsed"]
     assert rank0[:3] == ["0", "stopped", "cpu"] and "20/20" in rank0 and "loss=0.05" in rank0
-    assert rank1[:3] == ["1", "failed", "cpu"] and " ".join(rank1).endswith("ValueError: rank 1 gives up")
+    assert rank1[:3] == ["1", "failed", "cpu"] and " ".join(rank1).endswith(
+        "ValueError: rank 1 gives up"
+    )
 
 
 def test_a_script_gets_the_text_dashboard(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     assert "caught Rank 1 (pid" in done.stdout
     check_text_dashboard(done.stderr)

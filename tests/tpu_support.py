@@ -30,22 +30,50 @@ COLAB = {"COLAB_RELEASE_TAG": "release-colab_20261101-060123_RC00", "COLAB_TPU_1
 KAGGLE = {"KAGGLE_KERNEL_RUN_TYPE": "Interactive", "KAGGLE_URL_BASE": "https://www.kaggle.com"}
 
 MACHINES = {
-    "colab-v2-8": Machine("colab-v2-8", "0x0027", 4, "accel",
-                          {**COLAB, "TPU_ACCELERATOR_TYPE": "v2-8", "TPU_NAME": "local"}),
-    "kaggle-v3-8": Machine("kaggle-v3-8", "0x0027", 4, "accel",
-                           {**KAGGLE, "TPU_ACCELERATOR_TYPE": "v3-8", "TPU_NAME": "local"}),
-    "kaggle-v5e-8": Machine("kaggle-v5e-8", "0x0063", 8, "vfio",
-                            {**KAGGLE, "TPU_ACCELERATOR_TYPE": "v5litepod-8", "TPU_NAME": "local",
-                             "TPU_PROCESS_ADDRESSES": "local:8476", "CLOUD_TPU_TASK_ID": "0"}),
-    "colab-v5e-1": Machine("colab-v5e-1", "0x0063", 1, "vfio",
-                           {**COLAB, "TPU_ACCELERATOR_TYPE": "v5litepod-1"}),
-    "colab-v6e-1": Machine("colab-v6e-1", "0x006f", 1, "vfio",
-                           {**COLAB, "TPU_ACCELERATOR_TYPE": "v6e-1"}),
-    "tpu-vm-v4-8": Machine("tpu-vm-v4-8", "0x005e", 4, "accel",
-                           {"TPU_ACCELERATOR_TYPE": "v4-8", "TPU_WORKER_ID": "0"}),
+    "colab-v2-8": Machine(
+        "colab-v2-8",
+        "0x0027",
+        4,
+        "accel",
+        {**COLAB, "TPU_ACCELERATOR_TYPE": "v2-8", "TPU_NAME": "local"},
+    ),
+    "kaggle-v3-8": Machine(
+        "kaggle-v3-8",
+        "0x0027",
+        4,
+        "accel",
+        {**KAGGLE, "TPU_ACCELERATOR_TYPE": "v3-8", "TPU_NAME": "local"},
+    ),
+    "kaggle-v5e-8": Machine(
+        "kaggle-v5e-8",
+        "0x0063",
+        8,
+        "vfio",
+        {
+            **KAGGLE,
+            "TPU_ACCELERATOR_TYPE": "v5litepod-8",
+            "TPU_NAME": "local",
+            "TPU_PROCESS_ADDRESSES": "local:8476",
+            "CLOUD_TPU_TASK_ID": "0",
+        },
+    ),
+    "colab-v5e-1": Machine(
+        "colab-v5e-1", "0x0063", 1, "vfio", {**COLAB, "TPU_ACCELERATOR_TYPE": "v5litepod-1"}
+    ),
+    "colab-v6e-1": Machine(
+        "colab-v6e-1", "0x006f", 1, "vfio", {**COLAB, "TPU_ACCELERATOR_TYPE": "v6e-1"}
+    ),
+    "tpu-vm-v4-8": Machine(
+        "tpu-vm-v4-8", "0x005e", 4, "accel", {"TPU_ACCELERATOR_TYPE": "v4-8", "TPU_WORKER_ID": "0"}
+    ),
     # One of the 4 hosts of a v4-32 slice.
-    "tpu-vm-v4-32": Machine("tpu-vm-v4-32", "0x005e", 4, "accel",
-                            {"TPU_ACCELERATOR_TYPE": "v4-32", "TPU_WORKER_ID": "1"}),
+    "tpu-vm-v4-32": Machine(
+        "tpu-vm-v4-32",
+        "0x005e",
+        4,
+        "accel",
+        {"TPU_ACCELERATOR_TYPE": "v4-32", "TPU_WORKER_ID": "1"},
+    ),
 }
 
 
@@ -53,8 +81,10 @@ def build_root(root: Path, machine: Machine) -> Path:
     """A directory with the machine's ``sys/bus/pci/devices`` and ``dev`` trees."""
     devices = root / "sys/bus/pci/devices"
     # Other PCI devices are there too: a NIC of another vendor, a Google device that is no TPU.
-    for address, vendor, device in (("0000:00:04.0", "0x1af4", "0x1000"),
-                                    ("0000:00:05.0", "0x1ae0", "0x0042")):
+    for address, vendor, device in (
+        ("0000:00:04.0", "0x1af4", "0x1000"),
+        ("0000:00:05.0", "0x1ae0", "0x0042"),
+    ):
         (devices / address).mkdir(parents=True)
         (devices / address / "vendor").write_text(vendor + "\n")
         (devices / address / "device").write_text(device + "\n")
@@ -67,7 +97,9 @@ def build_root(root: Path, machine: Machine) -> Path:
     (dev / "vfio").mkdir(parents=True)
     (dev / "vfio" / "vfio").write_text("")
     for chip in range(machine.chips):
-        target = dev / f"accel{chip}" if machine.device_files == "accel" else dev / "vfio" / str(chip)
+        target = (
+            dev / f"accel{chip}" if machine.device_files == "accel" else dev / "vfio" / str(chip)
+        )
         target.write_text("")
     return root
 

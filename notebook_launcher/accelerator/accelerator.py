@@ -414,7 +414,10 @@ class Accelerator(Coordination, Checkpointing, Lifecycle, Saving):
         if not isinstance(model, DistributedDataParallel):
             yield
             return
-        old_backward, old_forward = model.require_backward_grad_sync, model.require_forward_param_sync
+        old_backward, old_forward = (
+            model.require_backward_grad_sync,
+            model.require_forward_param_sync,
+        )
         model.require_backward_grad_sync = True
         model.require_forward_param_sync = True
         # DDP decides in forward whether to reduce; the forward already ran, so tell the reducer now.

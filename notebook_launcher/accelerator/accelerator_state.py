@@ -149,9 +149,7 @@ class PartialState:
         return first_then_others(self.is_main_process, self.device_kind, self.local_rank)
 
     def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
-        return first_then_others(
-            self.is_local_main_process, self.device_kind, self.local_rank
-        )
+        return first_then_others(self.is_local_main_process, self.device_kind, self.local_rank)
 
     @contextlib.contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:

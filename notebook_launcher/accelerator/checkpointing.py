@@ -121,7 +121,10 @@ class Checkpointing:
         invalid = [
             type(o).__name__
             for o in objects
-            if not (callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)))
+            if not (
+                callable(getattr(o, "state_dict", None))
+                and callable(getattr(o, "load_state_dict", None))
+            )
         ]
         if invalid:
             raise CheckpointError(
@@ -210,7 +213,10 @@ class Checkpointing:
         return models, optimizers
 
     def _save_shared(
-        self, target: Path, weights: tuple[list[Any], list[dict[str, Any]]], safe_serialization: bool
+        self,
+        target: Path,
+        weights: tuple[list[Any], list[dict[str, Any]]],
+        safe_serialization: bool,
     ) -> None:
         models, optimizers = weights
         use_safetensors = safe_serialization and _safetensors_available()
@@ -252,7 +258,9 @@ class Checkpointing:
                 continue
             for j, parameter in enumerate(unwrap(model).parameters()):
                 grad = saved[i][j] if saved is not None else None
-                parameter.grad = None if grad is None else grad.to(parameter.device, parameter.dtype)
+                parameter.grad = (
+                    None if grad is None else grad.to(parameter.device, parameter.dtype)
+                )
 
     def _rank_states(self) -> dict[str, Any]:
         states: dict[str, Any] = {
@@ -315,7 +323,9 @@ class Checkpointing:
             else:
                 module.load_state_dict(torch.load(path, map_location=self.state.device))
         for i, optimizer in enumerate(self._optimizers):
-            state = torch.load(source / _indexed("optimizer", i, ".bin"), map_location="cpu", weights_only=False)
+            state = torch.load(
+                source / _indexed("optimizer", i, ".bin"), map_location="cpu", weights_only=False
+            )
             owner = self._optimizer_owner(optimizer)
             if owner is None:
                 optimizer.load_state_dict(state)
@@ -337,7 +347,9 @@ class Checkpointing:
                 "in the same order, as when it was saved."
             )
         for i, obj in enumerate(self._custom_objects):
-            obj.load_state_dict(torch.load(source / f"custom_checkpoint_{i}.pkl", weights_only=False))
+            obj.load_state_dict(
+                torch.load(source / f"custom_checkpoint_{i}.pkl", weights_only=False)
+            )
 
     def _load_rank_states(self, source: Path) -> None:
         path = source / f"random_states_{self.state.process_index}.pkl"
@@ -412,9 +424,7 @@ def _run_save_hooks(
     kept = list(state_dicts)
     for hook in list(hooks.values()):
         hook(models, kept, os.fspath(output_dir))
-    remaining = [
-        item for item, sd in zip(to_save, state_dicts) if any(sd is k for k in kept)
-    ]
+    remaining = [item for item, sd in zip(to_save, state_dicts) if any(sd is k for k in kept)]
     return remaining, optimizers
 
 
@@ -440,7 +450,9 @@ def _loader_states(source: Path, count: int, rank: int) -> list[dict[str, Any]]:
 
     def read() -> list[dict[str, Any]]:
         names = ["sampler.bin"] + [f"sampler_{i}.bin" for i in range(1, count)]
-        return [torch.load(source / n, map_location="cpu", weights_only=False) for n in names[:count]]
+        return [
+            torch.load(source / n, map_location="cpu", weights_only=False) for n in names[:count]
+        ]
 
     if count == 0:
         return []

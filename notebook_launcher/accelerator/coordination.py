@@ -72,7 +72,11 @@ class Coordination:
 
     def check_trigger(self) -> bool:
         """True on every rank when any rank called ``set_trigger`` since the last check (a collective)."""
-        flag = self._trigger if self._trigger is not None else torch.zeros(1, device=self._collective_device())
+        flag = (
+            self._trigger
+            if self._trigger is not None
+            else torch.zeros(1, device=self._collective_device())
+        )
         total = operations.reduce(flag, "sum")
         self._trigger = None
         return bool(total.item() >= 1)

@@ -131,7 +131,9 @@ class DataLoaderShard(DataLoader):
         Not dispatched ones: dispatching runs collectives, which belong in the replica's
         own thread, not the loader's.
         """
-        return self.device is not None and xla.active() and not isinstance(self.shard, BatchDispatcher)
+        return (
+            self.device is not None and xla.active() and not isinstance(self.shard, BatchDispatcher)
+        )
 
     def _move(self, batch: Any) -> Any:
         if self.device is None or self._xla_loader():  # torch_xla's loader moved it already
@@ -198,7 +200,9 @@ class DataLoaderShard(DataLoader):
             "iteration": owner.iteration,
             "batches_yielded": self.batches_yielded,
             "shard": shard_state,
-            "seed": getattr(sampler, "seed", None) if isinstance(sampler, SeedableRandomSampler) else None,
+            "seed": getattr(sampler, "seed", None)
+            if isinstance(sampler, SeedableRandomSampler)
+            else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -342,7 +346,11 @@ def prepare_data_loader(
     total_batch_size = batch_size
     # One process is wrapped too: the wrapper records each epoch's shuffle for resuming.
     if not isinstance(sampler, DistributedSampler):
-        if world_size > 1 and config.split_batches and (batch_size is None or batch_size % world_size):
+        if (
+            world_size > 1
+            and config.split_batches
+            and (batch_size is None or batch_size % world_size)
+        ):
             raise ShardingError(
                 f"split_batches=True cuts each batch of the loader into {world_size} parts "
                 f"(one per rank), but its batch_size is {batch_size}; use a batch_size "
@@ -378,7 +386,9 @@ def prepare_data_loader(
     )
 
 
-def _batch_size(loader: DataLoader, state: RankState, config: DataLoaderConfiguration, unbatched: str) -> int:
+def _batch_size(
+    loader: DataLoader, state: RankState, config: DataLoaderConfiguration, unbatched: str
+) -> int:
     """The loader's batch size, which its batches are split by (``unbatched``: why None fails)."""
     batch_size = loader.batch_size
     if batch_size is None:
@@ -399,7 +409,9 @@ def _prepare_dispatched(
     common: dict[str, Any],
 ) -> DataLoaderShard:
     batch_size = _batch_size(
-        loader, state, config,
+        loader,
+        state,
+        config,
         "dispatch_batches=True splits the loader's batches between the ranks, but this "
         "DataLoader has batch_size=None (no batching); give it a batch_size.",
     )
@@ -430,7 +442,9 @@ def _prepare_iterable(
     common: dict[str, Any],
 ) -> DataLoaderShard:
     batch_size = _batch_size(
-        loader, state, config,
+        loader,
+        state,
+        config,
         "This DataLoader over an IterableDataset has batch_size=None, so it cannot be "
         "split into per-rank batches; give it a batch_size.",
     )

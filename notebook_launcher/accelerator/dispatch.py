@@ -21,7 +21,13 @@ class BatchDispatcher:
     """Splits rank 0's global batches; records how many samples of the last step are real."""
 
     def __init__(
-        self, *, rank: int, world_size: int, split_batches: bool, even_batches: bool, drop_last: bool
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        split_batches: bool,
+        even_batches: bool,
+        drop_last: bool,
     ) -> None:
         self.rank = rank
         self.world_size = world_size

@@ -141,7 +141,9 @@ def _full_options() -> Any:
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def full_optimizer_state_dict(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
     """The optimizer's unsharded state on rank 0's CPU (empty elsewhere); a collective."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 

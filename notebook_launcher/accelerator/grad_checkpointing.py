@@ -99,11 +99,16 @@ class CheckpointingGuard:
         if self._checked_gradients:
             return
         models = list(models)
-        if any(isinstance(m, DistributedDataParallel) and not m.require_backward_grad_sync for m in models):
+        if any(
+            isinstance(m, DistributedDataParallel) and not m.require_backward_grad_sync
+            for m in models
+        ):
             return  # inside no_sync: DDP checks nothing before the synchronising step
         missing: list[str] = []
         for model in models:
-            if not (self.reentrant or (isinstance(model, DistributedDataParallel) and _strict(model))):
+            if not (
+                self.reentrant or (isinstance(model, DistributedDataParallel) and _strict(model))
+            ):
                 continue
             without, reached = _without_gradient(model)
             if reached:  # a backward through this model (not through another one alone)
@@ -143,7 +148,9 @@ class CheckpointingGuard:
 
 def _strict(model: DistributedDataParallel) -> bool:
     """DDP that expects a gradient for every trainable parameter at every step."""
-    return not getattr(model, "find_unused_parameters", False) and not getattr(model, "static_graph", False)
+    return not getattr(model, "find_unused_parameters", False) and not getattr(
+        model, "static_graph", False
+    )
 
 
 def _finds_unused(model: DistributedDataParallel) -> bool:

@@ -161,7 +161,10 @@ class Lifecycle:
 
 
 def _activities(names: list[str] | None, device_kind: str) -> list[Any]:
-    known = {"cpu": torch.profiler.ProfilerActivity.CPU, "cuda": torch.profiler.ProfilerActivity.CUDA}
+    known = {
+        "cpu": torch.profiler.ProfilerActivity.CPU,
+        "cuda": torch.profiler.ProfilerActivity.CUDA,
+    }
     if names is None:
         names = ["cpu", "cuda"] if device_kind == "cuda" else ["cpu"]
     unknown = [n for n in names if n not in known]

@@ -66,7 +66,13 @@ def _without_aliases(state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
         if tensor.device.type == "meta":
             continue
         pointer = tensor.untyped_storage().data_ptr()
-        key = (pointer, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        key = (
+            pointer,
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+        )
         if key in seen:
             continue  # the same weight under a second name (tied weights)
         seen[key] = name
@@ -78,7 +84,9 @@ def _without_aliases(state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
     return kept
 
 
-def split_into_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+def split_into_shards(
+    tensors: dict[str, torch.Tensor], max_bytes: int
+) -> list[dict[str, torch.Tensor]]:
     """Consecutive groups of tensors, each at most ``max_bytes`` (a bigger tensor alone)."""
     shards: list[dict[str, torch.Tensor]] = [OrderedDict()]
     size = 0
@@ -137,7 +145,9 @@ def write_model(
 
 def _remove_previous_files(directory: str, stem: str, suffix: str) -> None:
     # Shards of an earlier, differently split save would be read together with the new ones.
-    pattern = re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?{re.escape(suffix)}(\.index\.json)?")
+    pattern = re.compile(
+        rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?{re.escape(suffix)}(\.index\.json)?"
+    )
     for name in os.listdir(directory):
         if pattern.fullmatch(name):
             os.remove(os.path.join(directory, name))
@@ -176,7 +186,9 @@ class Saving:
         state_dict = self.get_state_dict(model)
         if self.state.is_main_process:
             if is_peft_model(unwrap(model)):  # the adapter alone, as peft saves it
-                save_adapter(unwrap(model), state_dict, save_directory, safe_serialization=safe_serialization)
+                save_adapter(
+                    unwrap(model), state_dict, save_directory, safe_serialization=safe_serialization
+                )
                 return
             write_model(
                 state_dict,

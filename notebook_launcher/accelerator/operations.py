@@ -40,6 +40,7 @@ def set_debug_mode(value: bool | None) -> None:
     global _debug_override
     _debug_override = value
 
+
 # torch 2.13 renamed all_gather_into_tensor; the old name warns there and is the only one before.
 _all_gather_single: Callable[..., Any] = (
     getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -319,7 +320,9 @@ def _exchange_shapes(tensor: torch.Tensor) -> list[list[int]]:
         everyone: list[Any] = [None] * world_size()
         dist.all_gather_object(everyone, list(tensor.shape))
         return everyone
-    return [r[1 : min(n, _MAX_DIMS) + 1] + [-1] * max(0, n - _MAX_DIMS) for r, n in zip(rows, ndims)]
+    return [
+        r[1 : min(n, _MAX_DIMS) + 1] + [-1] * max(0, n - _MAX_DIMS) for r, n in zip(rows, ndims)
+    ]
 
 
 def _raise_shape_mismatch(operation: str, shapes: list[list[int]]) -> None:

@@ -161,7 +161,9 @@ class AutocastForward:
     function are found by name).
     """
 
-    def __init__(self, module: torch.nn.Module, function: Callable[..., Any], plan: PrecisionPlan) -> None:
+    def __init__(
+        self, module: torch.nn.Module, function: Callable[..., Any], plan: PrecisionPlan
+    ) -> None:
         self.module = module
         self.function = function  # the unbound forward of the module's class
         self.plan = plan

@@ -52,7 +52,9 @@ class DistributedType(str, enum.Enum):
     MULTI_NEURON = "MULTI_NEURON"
 
 
-def choose_distributed_type(device_kind: str, world_size: int, fully_sharded: bool) -> DistributedType:
+def choose_distributed_type(
+    device_kind: str, world_size: int, fully_sharded: bool
+) -> DistributedType:
     """The one place that maps where ranks run to how they cooperate (a new device kind adds a line)."""
     if device_kind == "tpu":
         return DistributedType.XLA

@@ -44,7 +44,9 @@ class AcceleratedScheduler:
         if any(opt.step_was_skipped for opt in self.optimizers):
             return  # fp16 overflow: the weights did not change, neither does the schedule
         for _ in range(1 if self.split_batches else self.num_processes):
-            total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR refuses to pass its end
+            total = getattr(
+                self.scheduler, "total_steps", None
+            )  # OneCycleLR refuses to pass its end
             if total is not None and self.scheduler._step_count > total:
                 break
             self.scheduler.step(*args, **kwargs)

@@ -103,7 +103,9 @@ class WandBTracker(GeneralTracker):
 class MLflowTracker(GeneralTracker):
     name = "mlflow"
 
-    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, run_name: str, logging_dir: str | os.PathLike[str] | None = None, **kwargs: Any
+    ) -> None:
         import mlflow
 
         folder = None

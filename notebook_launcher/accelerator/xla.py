@@ -93,7 +93,9 @@ def optimizer_step(optimizer: torch.optim.Optimizer, closure: Callable[[], float
         reduced.discard(id(optimizer))
         result = optimizer.step(closure) if closure else optimizer.step()
     else:
-        result = xm.optimizer_step(optimizer, optimizer_args={"closure": closure} if closure else {})
+        result = xm.optimizer_step(
+            optimizer, optimizer_args={"closure": closure} if closure else {}
+        )
     sync()
     return result
 
@@ -150,7 +152,12 @@ def all_reduce(tensor: torch.Tensor, reduction: str) -> torch.Tensor:
     """Every replica's ``tensor`` combined elementwise: "sum", "mean", "max" or "min"."""
     import torch_xla.core.xla_model as xm
 
-    kinds = {"sum": xm.REDUCE_SUM, "mean": xm.REDUCE_SUM, "max": xm.REDUCE_MAX, "min": xm.REDUCE_MIN}
+    kinds = {
+        "sum": xm.REDUCE_SUM,
+        "mean": xm.REDUCE_SUM,
+        "max": xm.REDUCE_MAX,
+        "min": xm.REDUCE_MIN,
+    }
     result = xm.all_reduce(kinds[reduction], tensor)
     if reduction == "mean":
         result /= world_size()  # as on other devices: in place, so integer tensors refuse it
@@ -176,7 +183,9 @@ def broadcast_module(module: torch.nn.Module) -> None:
     """
     import torch_xla.core.xla_model as xm
 
-    tensors = [t.data for t in [*module.parameters(), *module.buffers()] if t.dtype is not torch.bool]
+    tensors = [
+        t.data for t in [*module.parameters(), *module.buffers()] if t.dtype is not torch.bool
+    ]
     if not tensors:
         return
     with torch.no_grad():
@@ -233,7 +242,11 @@ def _exchange_objects(obj: Any, send: bool, operation: str) -> list[bytes]:
         failure = error
         payload = _UNPICKLABLE + f"{type(error).__name__}: {error}"[:500].encode("utf-8", "replace")
     everyone = _exchange(payload)
-    failed = [(i, p[1:].decode("utf-8", "replace")) for i, p in enumerate(everyone) if p[:1] == _UNPICKLABLE]
+    failed = [
+        (i, p[1:].decode("utf-8", "replace"))
+        for i, p in enumerate(everyone)
+        if p[:1] == _UNPICKLABLE
+    ]
     if failed:
         described = "; ".join(f"replica {i}: {why}" for i, why in failed)
         raise CollectiveError(

@@ -111,13 +111,16 @@ def _read_safetensors(path: Path) -> Iterator[CheckpointTensor]:
                 )
             begin, end = (start + int(i) for i in info["data_offsets"])
             shape = tuple(int(n) for n in info["shape"])
-            yield CheckpointTensor(name, shape, dtype, functools.partial(_copy_out, mapped, begin, end, dtype, shape))
+            yield CheckpointTensor(
+                name, shape, dtype, functools.partial(_copy_out, mapped, begin, end, dtype, shape)
+            )
     finally:
         mapped.close()
 
 
-def _copy_out(mapped: mmap.mmap, begin: int, end: int, dtype: torch.dtype,
-              shape: tuple[int, ...]) -> torch.Tensor:
+def _copy_out(
+    mapped: mmap.mmap, begin: int, end: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
     if end == begin:
         return torch.empty(shape, dtype=dtype)
     raw = torch.frombuffer(mapped, dtype=torch.uint8, count=end - begin, offset=begin)
@@ -150,7 +153,9 @@ def _read_torch(path: Path) -> Iterator[CheckpointTensor]:
     for name in list(state):
         tensor = state.pop(name)
         if isinstance(tensor, torch.Tensor):
-            yield CheckpointTensor(name, tuple(tensor.shape), tensor.dtype, functools.partial(_itself, tensor))
+            yield CheckpointTensor(
+                name, tuple(tensor.shape), tensor.dtype, functools.partial(_itself, tensor)
+            )
         del tensor
 
 
@@ -159,7 +164,14 @@ def _itself(tensor: torch.Tensor) -> torch.Tensor:
 
 
 _SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }

@@ -19,13 +19,37 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument("config", metavar="CONFIG.json", help="a transformers config file")
     parser.add_argument("--dtype", default=None, help="weights' dtype (default: the config's)")
-    parser.add_argument("--batch-size", type=int, default=1, metavar="N", help="sequences per rank (default: 1)")
-    parser.add_argument("--sequence-length", type=int, default=512, metavar="N", help="tokens per sequence (default: 512)")
-    parser.add_argument("--lora-rank", type=int, default=None, metavar="R", help="train LoRA adapters of rank R only")
-    parser.add_argument("--lora-target-modules", nargs="+", default=None, metavar="NAME",
-                        help="modules LoRA adapts (default: every linear layer but the head)")
+    parser.add_argument(
+        "--batch-size", type=int, default=1, metavar="N", help="sequences per rank (default: 1)"
+    )
+    parser.add_argument(
+        "--sequence-length",
+        type=int,
+        default=512,
+        metavar="N",
+        help="tokens per sequence (default: 512)",
+    )
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="train LoRA adapters of rank R only",
+    )
+    parser.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="modules LoRA adapts (default: every linear layer but the head)",
+    )
     parser.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks (default: 1)")
-    parser.add_argument("--sharding", choices=("ddp", "fsdp"), default="ddp", help="how ranks split the model (default: ddp)")
+    parser.add_argument(
+        "--sharding",
+        choices=("ddp", "fsdp"),
+        default="ddp",
+        help="how ranks split the model (default: ddp)",
+    )
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON (bytes)")
 
 
@@ -35,9 +59,13 @@ def run(arguments: argparse.Namespace) -> int:
 
     try:
         estimate = estimate_memory(
-            arguments.config, dtype=arguments.dtype, batch_size=arguments.batch_size,
-            sequence_length=arguments.sequence_length, lora_rank=arguments.lora_rank,
-            lora_target_modules=arguments.lora_target_modules, world_size=arguments.world_size,
+            arguments.config,
+            dtype=arguments.dtype,
+            batch_size=arguments.batch_size,
+            sequence_length=arguments.sequence_length,
+            lora_rank=arguments.lora_rank,
+            lora_target_modules=arguments.lora_target_modules,
+            world_size=arguments.world_size,
             sharding=arguments.sharding,
         )
     except BigModelError as error:

@@ -32,8 +32,13 @@ class DeviceMap(OrderedDict):
     sizes: dict[str, int]
     budgets: dict[str, int]
 
-    def __init__(self, *args: Any, sizes: Mapping[str, int] | None = None,
-                 budgets: Mapping[str, int] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        sizes: Mapping[str, int] | None = None,
+        budgets: Mapping[str, int] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.sizes = dict(sizes or {})
         self.budgets = dict(budgets or {})
@@ -59,11 +64,13 @@ def cuda_device_count() -> int:
 
 
 def normalize_device(device: Device, what: str = "device_map") -> str:
-    """"cpu", "disk", or "cuda:N" for a device this machine has; anything else is an error."""
+    """ "cpu", "disk", or "cuda:N" for a device this machine has; anything else is an error."""
     if isinstance(device, torch.device):
         device = str(device) if device.index is not None or device.type != "cuda" else "cuda:0"
     if isinstance(device, bool):
-        raise DeviceMapError(f"{what} names device {device!r}; use 'cpu', 'disk', a GPU index or 'cuda:N'.")
+        raise DeviceMapError(
+            f"{what} names device {device!r}; use 'cpu', 'disk', a GPU index or 'cuda:N'."
+        )
     count = cuda_device_count()
     if isinstance(device, int) or (isinstance(device, str) and device.isdigit()):
         index = int(device)
@@ -71,7 +78,13 @@ def normalize_device(device: Device, what: str = "device_map") -> str:
     elif device in ("cpu", "disk"):
         return str(device)
     elif isinstance(device, str) and (device == "cuda" or device.startswith("cuda:")):
-        index = 0 if device == "cuda" else int(device.split(":", 1)[1]) if device.split(":", 1)[1].isdigit() else -1
+        index = (
+            0
+            if device == "cuda"
+            else int(device.split(":", 1)[1])
+            if device.split(":", 1)[1].isdigit()
+            else -1
+        )
         name = f"cuda:{index}"
     else:
         raise DeviceMapError(
@@ -79,7 +92,11 @@ def normalize_device(device: Device, what: str = "device_map") -> str:
             "use 'cpu', 'disk', a GPU index (0, 1, ...) or 'cuda:N'."
         )
     if not 0 <= index < count:
-        have = f"{count} GPU{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1})" if count else "no GPU"
+        have = (
+            f"{count} GPU{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1})"
+            if count
+            else "no GPU"
+        )
         raise DeviceMapError(
             f"{what} names device {name!r}, but this machine has {have}; "
             "use a device it has, 'cpu' or 'disk'."
@@ -131,8 +148,11 @@ def parse_max_memory(max_memory: Mapping[Device, Size] | None) -> dict[str, int]
     return dict(sorted(budgets.items(), key=lambda item: _device_order(item[0])))
 
 
-def module_sizes(model: torch.nn.Module, dtype: torch.dtype | None = None,
-                 weights: dict[str, Weight] | None = None) -> dict[str, int]:
+def module_sizes(
+    model: torch.nn.Module,
+    dtype: torch.dtype | None = None,
+    weights: dict[str, Weight] | None = None,
+) -> dict[str, int]:
     """Bytes under every module and tensor name ("" is the whole model); tied weights counted
     once, under their first name."""
     weights = model_weights(model) if weights is None else weights
@@ -152,19 +172,27 @@ def _unsplittable(module: torch.nn.Module, no_split: set[str]) -> bool:
     return type(module).__name__ in no_split or not any(True for _ in module.children())
 
 
-def _units(model: torch.nn.Module, name: str, module: torch.nn.Module) -> list[tuple[str, torch.nn.Module | None]]:
+def _units(
+    model: torch.nn.Module, name: str, module: torch.nn.Module
+) -> list[tuple[str, torch.nn.Module | None]]:
     """What a module splits into: its children, then its own tensors (as leaves)."""
     prefix = f"{name}." if name else ""
-    units: list[tuple[str, torch.nn.Module | None]] = [(prefix + n, m) for n, m in module.named_children()]
+    units: list[tuple[str, torch.nn.Module | None]] = [
+        (prefix + n, m) for n, m in module.named_children()
+    ]
     units += [(prefix + n, None) for n, t in module._parameters.items() if t is not None]
     # Non-persistent buffers are in no checkpoint and never offloaded: they need no entry.
-    units += [(prefix + n, None) for n, t in module._buffers.items()
-              if t is not None and n not in module._non_persistent_buffers_set]
+    units += [
+        (prefix + n, None)
+        for n, t in module._buffers.items()
+        if t is not None and n not in module._non_persistent_buffers_set
+    ]
     return units
 
 
-def largest_unsplittable(model: torch.nn.Module, sizes: Mapping[str, int],
-                         no_split: set[str]) -> tuple[str, int]:
+def largest_unsplittable(
+    model: torch.nn.Module, sizes: Mapping[str, int], no_split: set[str]
+) -> tuple[str, int]:
     best = ("", 0)
     stack = _units(model, "", model)
     while stack:
@@ -215,10 +243,14 @@ def infer_auto_device_map(
     biggest_name, biggest = largest_unsplittable(model, sizes, no_split)
     if compute and biggest > max(budgets[d] for d in compute):
         listed = ", ".join(f"{d}: {format_bytes(budgets[d])}" for d in compute)
-        owner = _module(model, biggest_name) if biggest_name in dict(model.named_modules()) else None
-        why = (f"or take {type(owner).__name__} out of no_split_module_classes"
-               if owner is not None and type(owner).__name__ in no_split
-               else "since a single layer or weight is never split")
+        owner = (
+            _module(model, biggest_name) if biggest_name in dict(model.named_modules()) else None
+        )
+        why = (
+            f"or take {type(owner).__name__} out of no_split_module_classes"
+            if owner is not None and type(owner).__name__ in no_split
+            else "since a single layer or weight is never split"
+        )
         raise DeviceMapError(
             f"No device has room for the largest block that cannot be split, {biggest_name!r} "
             f"({format_bytes(biggest)}): the budgets are {listed}. Raise a budget above "
@@ -249,7 +281,9 @@ def infer_auto_device_map(
         if verbose and name in placed:
             print(f"{name or 'the model'} ({format_bytes(size)}) -> {placed[name]}")
     result = _collapse(model, placed) if clean_result else placed
-    return DeviceMap(result, sizes=sizes, budgets={d: b for d, b in parse_max_memory(max_memory).items()})
+    return DeviceMap(
+        result, sizes=sizes, budgets={d: b for d, b in parse_max_memory(max_memory).items()}
+    )
 
 
 def _collapse(model: torch.nn.Module, placed: Mapping[str, str]) -> DeviceMap:
@@ -267,7 +301,9 @@ def _collapse(model: torch.nn.Module, placed: Mapping[str, str]) -> DeviceMap:
             if len(devices) != 1 or parent in result:
                 continue
             expected = {n for n, _ in _units(model, parent, _module(model, parent))}
-            children = {n for n in result if n and (n.rsplit(".", 1)[0] if "." in n else "") == parent}
+            children = {
+                n for n in result if n and (n.rsplit(".", 1)[0] if "." in n else "") == parent
+            }
             if children == expected and expected:
                 device = devices.pop()
                 ordered: dict[str, str] = {}
@@ -312,8 +348,9 @@ def get_balanced_memory(
     return balanced
 
 
-def resolve_device_map(model: torch.nn.Module, device_map: Mapping[str, Device],
-                       weights: dict[str, Weight]) -> DeviceMap:
+def resolve_device_map(
+    model: torch.nn.Module, device_map: Mapping[str, Device], weights: dict[str, Weight]
+) -> DeviceMap:
     """The map checked against the model: every key a module or tensor of it, every tensor
     covered, every device one this machine has. Returned with normalized devices."""
     if not isinstance(device_map, Mapping):
@@ -324,7 +361,9 @@ def resolve_device_map(model: torch.nn.Module, device_map: Mapping[str, Device],
     modules = dict(model.named_modules())
     tensor_names = {slot.name for w in weights.values() for slot in w.slots}
     known = set(modules) | tensor_names
-    resolved = DeviceMap(sizes=getattr(device_map, "sizes", None), budgets=getattr(device_map, "budgets", None))
+    resolved = DeviceMap(
+        sizes=getattr(device_map, "sizes", None), budgets=getattr(device_map, "budgets", None)
+    )
     for key, device in device_map.items():
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=3)
@@ -336,8 +375,11 @@ def resolve_device_map(model: torch.nn.Module, device_map: Mapping[str, Device],
         resolved[key] = normalize_device(device, f"device_map[{key!r}]")
     # Non-persistent buffers (no checkpoint holds them) may be left out: they go with the
     # device that runs the model's first blocks.
-    uncovered = [w.name for w in weights.values() if w.persistent
-                 and not any(owns(key, slot.name) for key in resolved for slot in w.slots)]
+    uncovered = [
+        w.name
+        for w in weights.values()
+        if w.persistent and not any(owns(key, slot.name) for key in resolved for slot in w.slots)
+    ]
     if uncovered:
         more = f" and {len(uncovered) - 5} more" if len(uncovered) > 5 else ""
         raise DeviceMapError(

@@ -88,20 +88,26 @@ def dispatch_model(
     skipped = _key_names(skip_keys)
     weights = model_weights(model)
     resolved = resolve_device_map(model, device_map, weights)
-    main = normalize_device(main_device, "main_device") if main_device is not None else _main(resolved)
+    main = (
+        normalize_device(main_device, "main_device") if main_device is not None else _main(resolved)
+    )
     placed = homes(weights, resolved, main, offload_buffers)
     state = attach_state(model)
     supplied = dict(state_dict or {})
     _check_loaded(model, weights, placed, state, supplied)
     blocks = disk_blocks(weights, resolved, placed)
-    pending = {b: [n for n in names if state.disk is None or n not in state.disk.written]
-               for b, names in blocks.items()}
+    pending = {
+        b: [n for n in names if state.disk is None or n not in state.disk.written]
+        for b, names in blocks.items()
+    }
     pending = {b: names for b, names in pending.items() if names}
     if pending:
         folder = check_writable(offload_dir, "device_map (blocks on 'disk')")
         state.disk = state.disk or DiskStore(folder)
         for block, names in pending.items():
-            state.disk.plan(block, [(n, tuple(weights[n].tensor.shape), weights[n].tensor.dtype) for n in names])
+            state.disk.plan(
+                block, [(n, tuple(weights[n].tensor.shape), weights[n].tensor.dtype) for n in names]
+            )
     pin = main.startswith("cuda:")
     for name, weight in weights.items():
         home = placed[name]
@@ -135,7 +141,9 @@ def _key_names(skip_keys: Any) -> frozenset[str]:
         return frozenset()
     if isinstance(skip_keys, str):
         return frozenset([skip_keys])
-    if isinstance(skip_keys, (list, tuple, set, frozenset)) and all(isinstance(k, str) for k in skip_keys):
+    if isinstance(skip_keys, (list, tuple, set, frozenset)) and all(
+        isinstance(k, str) for k in skip_keys
+    ):
         return frozenset(skip_keys)
     raise TypeError(
         f"skip_keys={skip_keys!r} must be the name of a keyword argument, or a list of names, "
@@ -147,13 +155,26 @@ def _main(device_map: Mapping[str, str]) -> str:
     return main_device(device_map)
 
 
-def _check_loaded(model: torch.nn.Module, weights: dict[str, Weight], placed: dict[str, str],
-                  state: Any, supplied: Mapping[str, torch.Tensor]) -> None:
+def _check_loaded(
+    model: torch.nn.Module,
+    weights: dict[str, Weight],
+    placed: dict[str, str],
+    state: Any,
+    supplied: Mapping[str, torch.Tensor],
+) -> None:
     written = state.disk.written if state.disk is not None else set()
-    empty = [n for n, w in weights.items() if current(w).device.type == "meta"
-             and n not in state.cpu and n not in written and n not in supplied]
+    empty = [
+        n
+        for n, w in weights.items()
+        if current(w).device.type == "meta"
+        and n not in state.cpu
+        and n not in written
+        and n not in supplied
+    ]
     if empty:
-        shown = ", ".join(repr(n) for n in empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+        shown = ", ".join(repr(n) for n in empty[:5]) + (
+            f" and {len(empty) - 5} more" if len(empty) > 5 else ""
+        )
         raise CheckpointMismatchError(
             f"{shown} of {type(model).__name__} {'is' if len(empty) == 1 else 'are'} on the meta "
             "device (no data): load the weights first (load_checkpoint_and_dispatch, or "
@@ -161,8 +182,15 @@ def _check_loaded(model: torch.nn.Module, weights: dict[str, Weight], placed: di
         )
 
 
-def _attach(model: torch.nn.Module, weights: dict[str, Weight], device_map: DeviceMap,
-            placed: dict[str, str], main: str, state: Any, skip_keys: frozenset[str] = frozenset()) -> None:
+def _attach(
+    model: torch.nn.Module,
+    weights: dict[str, Weight],
+    device_map: DeviceMap,
+    placed: dict[str, str],
+    main: str,
+    state: Any,
+    skip_keys: frozenset[str] = frozenset(),
+) -> None:
     previous: Runner | None = getattr(model, RUNNER_ATTRIBUTE, None)
     if previous is not None:
         previous.remove()
@@ -181,8 +209,13 @@ def _attach(model: torch.nn.Module, weights: dict[str, Weight], device_map: Devi
     for key, device in run_map.items():
         host = key if key in modules else (key.rsplit(".", 1)[0] if "." in key else "")
         if host not in blocks:
-            blocks[host] = Block(host, modules[host], torch.device(exec_device(device, main)),
-                                 moves_inputs=several, skip_keys=skip_keys)
+            blocks[host] = Block(
+                host,
+                modules[host],
+                torch.device(exec_device(device, main)),
+                moves_inputs=several,
+                skip_keys=skip_keys,
+            )
     for weight in weights.values():
         for slot in weight.slots:
             entry = entry_of(slot.name, run_map)
@@ -221,9 +254,14 @@ def _offload_units(model: torch.nn.Module, root: str = "") -> list[str]:
     def units(name: str, module: torch.nn.Module) -> list[str]:
         children = list(module.named_children())
         own = any(t is not None for t in (*module._parameters.values(), *module._buffers.values()))
-        container = isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential))
-        if not children or own or type(module).__name__ in keep_whole or not (
-            container or sizes.get(name, 0) > total / 4
+        container = isinstance(
+            module, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+        )
+        if (
+            not children
+            or own
+            or type(module).__name__ in keep_whole
+            or not (container or sizes.get(name, 0) > total / 4)
         ):
             return [name]
         prefix = f"{name}." if name else ""
@@ -231,7 +269,9 @@ def _offload_units(model: torch.nn.Module, root: str = "") -> list[str]:
 
     if not root:
         found = [u for n, m in model.named_children() for u in units(n, m)]
-        direct = [n for n, t in (*model._parameters.items(), *model._buffers.items()) if t is not None]
+        direct = [
+            n for n, t in (*model._parameters.items(), *model._buffers.items()) if t is not None
+        ]
         return found + direct if found or direct else [""]
     return units(root, model.get_submodule(root))
 
@@ -258,8 +298,10 @@ def cpu_offload(
     device_map = dict.fromkeys(_offload_units(model), "cpu")
     weights = model_weights(model)
     resolved = resolve_device_map(model, device_map, weights)
-    placed = {n: CPU_STORE if w.is_parameter or (offload_buffers and w.persistent) else device
-              for n, w in weights.items()}
+    placed = {
+        n: CPU_STORE if w.is_parameter or (offload_buffers and w.persistent) else device
+        for n, w in weights.items()
+    }
     state = attach_state(model)
     for name, weight in weights.items():
         tensor = current(weight)
@@ -287,8 +329,13 @@ def disk_offload(
     ``execution_device``, its weights read one block ahead of use."""
     device = _execution_device(model, execution_device)
     device_map = dict.fromkeys(_offload_units(model), "disk")
-    return dispatch_model(model, device_map, main_device=device if device != "cpu" else None,
-                          offload_dir=offload_dir, offload_buffers=offload_buffers)
+    return dispatch_model(
+        model,
+        device_map,
+        main_device=device if device != "cpu" else None,
+        offload_dir=offload_dir,
+        offload_buffers=offload_buffers,
+    )
 
 
 def load_checkpoint_and_dispatch(
@@ -330,15 +377,34 @@ def load_checkpoint_and_dispatch(
             )
         budgets: Mapping[Any, Any] | None = max_memory
         if device_map != "sequential":
-            budgets = dict(get_balanced_memory(model, max_memory, no_split_module_classes, dtype,
-                                               low_zero=device_map == "balanced_low_0"))
+            budgets = dict(
+                get_balanced_memory(
+                    model,
+                    max_memory,
+                    no_split_module_classes,
+                    dtype,
+                    low_zero=device_map == "balanced_low_0",
+                )
+            )
         device_map = infer_auto_device_map(model, budgets, no_split_module_classes, dtype)
     elif device_map is None:
         device_map = {"": "cpu"}
-    load_checkpoint_in_model(model, checkpoint, device_map, offload_folder=offload_folder, dtype=dtype,
-                             offload_buffers=offload_buffers, strict=strict)
-    return dispatch_model(model, device_map, offload_dir=offload_folder, offload_buffers=offload_buffers,
-                          skip_keys=skip_keys)
+    load_checkpoint_in_model(
+        model,
+        checkpoint,
+        device_map,
+        offload_folder=offload_folder,
+        dtype=dtype,
+        offload_buffers=offload_buffers,
+        strict=strict,
+    )
+    return dispatch_model(
+        model,
+        device_map,
+        offload_dir=offload_folder,
+        offload_buffers=offload_buffers,
+        skip_keys=skip_keys,
+    )
 
 
 def offload_state(model: torch.nn.Module) -> Any:

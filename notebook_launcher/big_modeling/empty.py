@@ -24,7 +24,9 @@ def init_empty_weights(include_buffers: bool | None = None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def init_on_device(device: torch.device | str, include_buffers: bool | None = None) -> Iterator[None]:
+def init_on_device(
+    device: torch.device | str, include_buffers: bool | None = None
+) -> Iterator[None]:
     """Inside this block, every parameter a module registers is created on ``device``
     (and every buffer too with ``include_buffers=True``)."""
     device = torch.device(device)

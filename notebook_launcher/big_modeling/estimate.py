@@ -74,7 +74,13 @@ class MemoryEstimate:
     @property
     def total(self) -> int:
         """Everything above added: the peak of one training step on one rank, roughly."""
-        return self.parameters + self.gradients + self.optimizer_state + self.activations + self.communication
+        return (
+            self.parameters
+            + self.gradients
+            + self.optimizer_state
+            + self.activations
+            + self.communication
+        )
 
     @property
     def inference(self) -> int:
@@ -88,18 +94,22 @@ class MemoryEstimate:
 
     def _rows(self) -> list[tuple[str, int]]:
         return [
-            ("parameters", self.parameters), ("gradients", self.gradients),
+            ("parameters", self.parameters),
+            ("gradients", self.gradients),
             ("optimizer state (AdamW)", self.optimizer_state),
             (f"activations ({self.activations_method})", self.activations),
-            ("communication buffers", self.communication), ("total per rank", self.total),
+            ("communication buffers", self.communication),
+            ("total per rank", self.total),
         ]
 
     def _title(self) -> str:
         how = f"LoRA rank {self.lora_rank}" if self.lora_rank else "full fine-tuning"
         ranks = f", {self.world_size} ranks ({self.sharding})" if self.world_size > 1 else ""
-        return (f"{self.model}: {self.num_parameters:,} parameters in {self.dtype}, {how} "
-                f"({self.trainable_parameters:,} trainable), batch {self.batch_size} x "
-                f"{self.sequence_length} tokens{ranks}")
+        return (
+            f"{self.model}: {self.num_parameters:,} parameters in {self.dtype}, {how} "
+            f"({self.trainable_parameters:,} trainable), batch {self.batch_size} x "
+            f"{self.sequence_length} tokens{ranks}"
+        )
 
     def __str__(self) -> str:
         lines = [self._title()]
@@ -113,8 +123,10 @@ class MemoryEstimate:
             f"<tr><td>{html.escape(label)}</td><td style='text-align:right'>{html.escape(format_bytes(v))}</td></tr>"
             for label, v in self._rows()
         )
-        return (f"<div class='tex2jax_ignore mathjax_ignore'><p>{html.escape(self._title())}</p>"
-                f"<table>{rows}</table></div>")
+        return (
+            f"<div class='tex2jax_ignore mathjax_ignore'><p>{html.escape(self._title())}</p>"
+            f"<table>{rows}</table></div>"
+        )
 
 
 def estimate_memory(
@@ -145,13 +157,23 @@ def estimate_memory(
         BigModelError: a bad size, dtype, sharding or target module, or a config that
             transformers cannot build.
     """
-    for what, value in (("batch_size", batch_size), ("sequence_length", sequence_length), ("world_size", world_size)):
+    for what, value in (
+        ("batch_size", batch_size),
+        ("sequence_length", sequence_length),
+        ("world_size", world_size),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise BigModelError(f"estimate_memory({what}={value!r}): pass a whole number of at least 1.")
+            raise BigModelError(
+                f"estimate_memory({what}={value!r}): pass a whole number of at least 1."
+            )
     if sharding not in ("ddp", "fsdp"):
         raise BigModelError(f"estimate_memory(sharding={sharding!r}): pass 'ddp' or 'fsdp'.")
-    if lora_rank is not None and (isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1):
-        raise BigModelError(f"estimate_memory(lora_rank={lora_rank!r}): pass a whole number of at least 1, or None.")
+    if lora_rank is not None and (
+        isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1
+    ):
+        raise BigModelError(
+            f"estimate_memory(lora_rank={lora_rank!r}): pass a whole number of at least 1, or None."
+        )
     model = _as_model(model_or_config)
     weights = model_weights(model)
     params = {n: w for n, w in weights.items() if w.is_parameter}
@@ -170,8 +192,9 @@ def estimate_memory(
         weight_bytes = num_parameters * size
     gradients = trainable_bytes
     optimizer = 2 * trainable_bytes
-    activations, method = _activations(model, params, chosen, batch_size, sequence_length,
-                                       targets, lora_rank, example_input)
+    activations, method = _activations(
+        model, params, chosen, batch_size, sequence_length, targets, lora_rank, example_input
+    )
     layer = _largest_layer_bytes(model, size)
     if world_size > 1 and sharding == "fsdp":
         split = lambda count: -(-count // world_size)  # noqa: E731 - ceil division
@@ -182,12 +205,24 @@ def estimate_memory(
     else:
         communication = 0
     return MemoryEstimate(
-        model=type(model).__name__, dtype=str(chosen).replace("torch.", ""), batch_size=batch_size,
-        sequence_length=sequence_length, world_size=world_size, sharding=sharding,
-        lora_rank=lora_rank, lora_target_modules=tuple(sorted({n.rsplit(".", 1)[-1] for n in targets})) if lora_rank else None,
-        num_parameters=num_parameters, trainable_parameters=trainable, parameters=weight_bytes,
-        gradients=gradients, optimizer_state=optimizer, activations=activations,
-        communication=communication, activations_method=method,
+        model=type(model).__name__,
+        dtype=str(chosen).replace("torch.", ""),
+        batch_size=batch_size,
+        sequence_length=sequence_length,
+        world_size=world_size,
+        sharding=sharding,
+        lora_rank=lora_rank,
+        lora_target_modules=tuple(sorted({n.rsplit(".", 1)[-1] for n in targets}))
+        if lora_rank
+        else None,
+        num_parameters=num_parameters,
+        trainable_parameters=trainable,
+        parameters=weight_bytes,
+        gradients=gradients,
+        optimizer_state=optimizer,
+        activations=activations,
+        communication=communication,
+        activations_method=method,
     )
 
 
@@ -201,7 +236,9 @@ def _as_model(model_or_config: Any) -> torch.nn.Module:
             with open(path) as f:
                 config = json.load(f)
         except (OSError, ValueError) as e:
-            raise BigModelError(f"estimate_memory({path!r}): cannot read a JSON config there ({e}).") from e
+            raise BigModelError(
+                f"estimate_memory({path!r}): cannot read a JSON config there ({e})."
+            ) from e
     try:
         import transformers
     except ImportError as e:
@@ -220,19 +257,31 @@ def _as_model(model_or_config: Any) -> torch.nn.Module:
         try:
             config = transformers.AutoConfig.for_model(kind, **values)
         except ValueError as e:
-            raise BigModelError(f"estimate_memory(): transformers does not know model_type {kind!r} ({e}).") from e
+            raise BigModelError(
+                f"estimate_memory(): transformers does not know model_type {kind!r} ({e})."
+            ) from e
     with init_empty_weights():
-        for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM, transformers.AutoModel):
+        for auto in (
+            transformers.AutoModelForCausalLM,
+            transformers.AutoModelForMaskedLM,
+            transformers.AutoModel,
+        ):
             try:
                 return auto.from_config(config)
             except ValueError:
                 continue
-    raise BigModelError(f"estimate_memory(): transformers has no model class for {type(config).__name__}.")
+    raise BigModelError(
+        f"estimate_memory(): transformers has no model class for {type(config).__name__}."
+    )
 
 
 def _model_dtype(model: torch.nn.Module, params: Mapping[str, Any]) -> torch.dtype:
     config = getattr(model, "config", None)
-    config_dtype = getattr(config, "dtype", None) if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
+    config_dtype = (
+        getattr(config, "dtype", None)
+        if hasattr(config, "dtype")
+        else getattr(config, "torch_dtype", None)
+    )
     if isinstance(config_dtype, torch.dtype) and config_dtype.is_floating_point:
         return config_dtype
     for weight in params.values():
@@ -241,12 +290,16 @@ def _model_dtype(model: torch.nn.Module, params: Mapping[str, Any]) -> torch.dty
     return torch.float32
 
 
-def _lora_targets(model: torch.nn.Module, targets: Sequence[str] | str | None) -> dict[str, tuple[int, int]]:
+def _lora_targets(
+    model: torch.nn.Module, targets: Sequence[str] | str | None
+) -> dict[str, tuple[int, int]]:
     """Module name -> (rows, columns) of the weight an adapter is added to."""
     output = getattr(model, "get_output_embeddings", lambda: None)()
     found: dict[str, tuple[int, int]] = {}
     every_linear = targets is None or targets == "all-linear"
-    wanted = [] if every_linear else ([targets] if isinstance(targets, str) else list(targets or []))
+    wanted = (
+        [] if every_linear else ([targets] if isinstance(targets, str) else list(targets or []))
+    )
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or module is output:
@@ -257,7 +310,13 @@ def _lora_targets(model: torch.nn.Module, targets: Sequence[str] | str | None) -
         ):
             found[name] = (int(weight.shape[0]), int(weight.shape[1]))
     if not found:
-        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(getattr(m, "weight", None), torch.Tensor)})
+        names = sorted(
+            {
+                n.rsplit(".", 1)[-1]
+                for n, m in model.named_modules()
+                if isinstance(getattr(m, "weight", None), torch.Tensor)
+            }
+        )
         raise BigModelError(
             f"estimate_memory(lora_target_modules={targets!r}) matches no module of "
             f"{type(model).__name__}; its modules with weights are named {names[:12]}."
@@ -272,13 +331,23 @@ def _largest_layer_bytes(model: torch.nn.Module, size: int) -> int:
         if type(module).__name__ in no_split:
             best = max(best, sum(p.numel() for p in module.parameters()) * size)
     if not best:
-        best = max((sum(p.numel() for p in m.parameters(recurse=False)) * size for m in model.modules()), default=0)
+        best = max(
+            (sum(p.numel() for p in m.parameters(recurse=False)) * size for m in model.modules()),
+            default=0,
+        )
     return best
 
 
-def _activations(model: torch.nn.Module, params: Mapping[str, Any], dtype: torch.dtype, batch: int,
-                 length: int, targets: Mapping[str, tuple[int, int]], lora_rank: int | None,
-                 example_input: Any) -> tuple[int, str]:
+def _activations(
+    model: torch.nn.Module,
+    params: Mapping[str, Any],
+    dtype: torch.dtype,
+    batch: int,
+    length: int,
+    targets: Mapping[str, tuple[int, int]],
+    lora_rank: int | None,
+    example_input: Any,
+) -> tuple[int, str]:
     try:
         traced = _trace(model, params, dtype, batch, length, targets, example_input)
     except Exception:  # any op without a meta kernel: fall back to the formula
@@ -288,12 +357,21 @@ def _activations(model: torch.nn.Module, params: Mapping[str, Any], dtype: torch
         if formula is None:
             return 0, "none"
         return formula, "formula"
-    extra = sum(batch * length * lora_rank * 4 for _ in targets) if lora_rank else 0  # x @ A, kept in float32
+    extra = (
+        sum(batch * length * lora_rank * 4 for _ in targets) if lora_rank else 0
+    )  # x @ A, kept in float32
     return traced + extra, "traced"
 
 
-def _trace(model: torch.nn.Module, params: Mapping[str, Any], dtype: torch.dtype, batch: int,
-           length: int, targets: Mapping[str, tuple[int, int]], example_input: Any) -> int | None:
+def _trace(
+    model: torch.nn.Module,
+    params: Mapping[str, Any],
+    dtype: torch.dtype,
+    batch: int,
+    length: int,
+    targets: Mapping[str, tuple[int, int]],
+    example_input: Any,
+) -> int | None:
     from torch.func import functional_call
 
     lora = bool(targets)
@@ -302,8 +380,10 @@ def _trace(model: torch.nn.Module, params: Mapping[str, Any], dtype: torch.dtype
     for name, weight in model_weights(model).items():
         tensor = weight.tensor
         kind = dtype if tensor.is_floating_point() else tensor.dtype
-        trains = (any(name.startswith(t + ".") for t in targets) if lora else tensor.requires_grad)
-        value = torch.empty(tensor.shape, dtype=kind, device="meta").requires_grad_(weight.is_parameter and trains and kind.is_floating_point)
+        trains = any(name.startswith(t + ".") for t in targets) if lora else tensor.requires_grad
+        value = torch.empty(tensor.shape, dtype=kind, device="meta").requires_grad_(
+            weight.is_parameter and trains and kind.is_floating_point
+        )
         weight_storages.add(value.untyped_storage()._cdata)
         for slot_name in weight.names:
             meta[slot_name] = value
@@ -327,8 +407,10 @@ def _trace(model: torch.nn.Module, params: Mapping[str, Any], dtype: torch.dtype
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         output = functional_call(model, meta, args, kwargs, tie_weights=False, strict=False)
-    results: list[Any] = [getattr(output, "loss", None),
-                          getattr(output, "logits", output if isinstance(output, torch.Tensor) else None)]
+    results: list[Any] = [
+        getattr(output, "loss", None),
+        getattr(output, "logits", output if isinstance(output, torch.Tensor) else None),
+    ]
     outputs = 0
     for tensor in results:
         if isinstance(tensor, torch.Tensor) and tensor.untyped_storage()._cdata not in kept:

@@ -42,7 +42,9 @@ class Block:
 class Fetched:
     tensors: dict[str, torch.Tensor]
     event: Any = None  # a CUDA event the copies recorded, waited on before use
-    buffers: list[torch.Tensor] = field(default_factory=list)  # read buffers, reused after the block
+    buffers: list[torch.Tensor] = field(
+        default_factory=list
+    )  # read buffers, reused after the block
 
 
 _KEPT_BUFFERS = 3  # the block running, the one fetched ahead, and one spare
@@ -55,7 +57,11 @@ def _move(value: Any, device: torch.device) -> Any:
         moved = [_move(v, device) for v in value]
         return type(value)(*moved) if hasattr(value, "_fields") else type(value)(moved)
     if isinstance(value, dict):
-        return type(value)((k, _move(v, device)) for k, v in value.items()) if type(value) is dict else _move_mapping(value, device)
+        return (
+            type(value)((k, _move(v, device)) for k, v in value.items())
+            if type(value) is dict
+            else _move_mapping(value, device)
+        )
     return value
 
 
@@ -84,8 +90,14 @@ def _first_device(value: Any) -> torch.device | None:
 class Runner:
     """The hooks of one dispatched model and the thread that fetches weights ahead."""
 
-    def __init__(self, model: torch.nn.Module, blocks: list[Block], state: OffloadState,
-                 homes: dict[str, str], io_same_device: bool) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        blocks: list[Block],
+        state: OffloadState,
+        homes: dict[str, str],
+        io_same_device: bool,
+    ) -> None:
         self.model = model
         self.blocks = blocks
         self.state = state
@@ -106,11 +118,17 @@ class Runner:
             block._disk = {w.name for w in block.borrowed if homes[w.name] == DISK}
         for block in blocks:
             if block.borrowed or block.moves_inputs:
-                self.handles.append(block.module.register_forward_pre_hook(self._before(block), with_kwargs=True))
+                self.handles.append(
+                    block.module.register_forward_pre_hook(self._before(block), with_kwargs=True)
+                )
             if block.borrowed:
-                self.handles.append(block.module.register_forward_hook(self._after(block), always_call=True))
+                self.handles.append(
+                    block.module.register_forward_hook(self._after(block), always_call=True)
+                )
         if io_same_device:
-            self.handles.append(model.register_forward_pre_hook(self._remember_input_device, with_kwargs=True))
+            self.handles.append(
+                model.register_forward_pre_hook(self._remember_input_device, with_kwargs=True)
+            )
             self.handles.append(model.register_forward_hook(self._outputs_back))
         self._input_device: torch.device | None = None
 
@@ -125,8 +143,11 @@ class Runner:
             used.append(self._buffer(count, pin))
             return used[-1]
 
-        tensors = (self.state.disk.read(names_disk, pin=pin, buffer_for=buffer_for)
-                   if names_disk and self.state.disk else {})
+        tensors = (
+            self.state.disk.read(names_disk, pin=pin, buffer_for=buffer_for)
+            if names_disk and self.state.disk
+            else {}
+        )
         for weight in block.borrowed:
             if weight.name in tensors:
                 continue
@@ -190,7 +211,10 @@ class Runner:
             if block.borrowed:
                 self._lend(block)
             if block.moves_inputs:
-                moved = {k: v if k in block.skip_keys else _move(v, block.device) for k, v in kwargs.items()}
+                moved = {
+                    k: v if k in block.skip_keys else _move(v, block.device)
+                    for k, v in kwargs.items()
+                }
                 return _move(args, block.device), moved
             return None
 
@@ -209,7 +233,9 @@ class Runner:
         saved: list[tuple[Slot, torch.Tensor | None]] = []
         for weight in block.borrowed:
             tensor = fetched.tensors[weight.name]
-            value: torch.Tensor = torch.nn.Parameter(tensor, requires_grad=False) if weight.is_parameter else tensor
+            value: torch.Tensor = (
+                torch.nn.Parameter(tensor, requires_grad=False) if weight.is_parameter else tensor
+            )
             for slot in block.slots[weight.name]:
                 table = slot.module._parameters if slot.is_parameter else slot.module._buffers
                 saved.append((slot, table[slot.attr]))

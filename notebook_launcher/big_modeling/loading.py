@@ -75,7 +75,11 @@ def load_checkpoint_in_model(
     weights = model_weights(model)
     if device_map is None:
         first = next(iter(weights.values()), None)
-        device = "cpu" if first is None or first.tensor.device.type == "meta" else str(first.tensor.device)
+        device = (
+            "cpu"
+            if first is None or first.tensor.device.type == "meta"
+            else str(first.tensor.device)
+        )
         device_map = {"": device}
     resolved = resolve_device_map(model, device_map, weights)
     main = main_device(resolved)
@@ -85,11 +89,19 @@ def load_checkpoint_in_model(
     fp32 = tuple(keep_in_fp32_modules or ())
     blocks = disk_blocks(weights, resolved, placed)
     if blocks:
-        folder = check_writable(offload_folder, f"device_map (blocks {_names(list(blocks), 3)} on 'disk')")
+        folder = check_writable(
+            offload_folder, f"device_map (blocks {_names(list(blocks), 3)} on 'disk')"
+        )
         state.disk = state.disk or DiskStore(folder)
         for block, names in blocks.items():
             fresh = [n for n in names if n not in state.disk.placed]
-            state.disk.plan(block, [(n, tuple(weights[n].tensor.shape), _dtype_for(weights[n], dtype_, fp32)) for n in fresh])
+            state.disk.plan(
+                block,
+                [
+                    (n, tuple(weights[n].tensor.shape), _dtype_for(weights[n], dtype_, fp32))
+                    for n in fresh
+                ],
+            )
     aliases = alias_table(weights)
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -119,8 +131,10 @@ def load_checkpoint_in_model(
 
 
 def _dtype_for(weight: Weight, dtype: torch.dtype | None, fp32: tuple[str, ...]) -> torch.dtype:
-    if fp32 and weight.tensor.is_floating_point() and any(
-        f".{m}." in f".{weight.name}." for m in fp32
+    if (
+        fp32
+        and weight.tensor.is_floating_point()
+        and any(f".{m}." in f".{weight.name}." for m in fp32)
     ):
         return torch.float32
     if dtype is None:
@@ -128,14 +142,18 @@ def _dtype_for(weight: Weight, dtype: torch.dtype | None, fp32: tuple[str, ...])
     return target_dtype(weight.tensor.dtype, dtype)
 
 
-def _deliver(weight: Weight, tensor: torch.Tensor, home: str, state: OffloadState, pin: bool) -> None:
+def _deliver(
+    weight: Weight, tensor: torch.Tensor, home: str, state: OffloadState, pin: bool
+) -> None:
     if home == DISK:
         assert state.disk is not None
         state.disk.write(weight.name, tensor)
         to_meta(weight)
     elif home == CPU_STORE:
         kept = tensor.detach().to("cpu")
-        state.cpu[weight.name] = kept.pin_memory() if pin else kept.clone() if _shares_file(kept) else kept
+        state.cpu[weight.name] = (
+            kept.pin_memory() if pin else kept.clone() if _shares_file(kept) else kept
+        )
         to_meta(weight)
     else:
         moved = tensor.detach().to(home)
@@ -149,8 +167,17 @@ def _shares_file(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and not tensor.untyped_storage().resizable()
 
 
-def _finish(model: torch.nn.Module, weights: dict[str, Weight], placed: dict[str, str], loaded: set[str],
-            unexpected: list[str], state: OffloadState, pin: bool, strict: bool, source: str) -> None:
+def _finish(
+    model: torch.nn.Module,
+    weights: dict[str, Weight],
+    placed: dict[str, str],
+    loaded: set[str],
+    unexpected: list[str],
+    state: OffloadState,
+    pin: bool,
+    strict: bool,
+    source: str,
+) -> None:
     kind = type(model).__name__
     if unexpected:
         message = (
@@ -162,8 +189,14 @@ def _finish(model: torch.nn.Module, weights: dict[str, Weight], placed: dict[str
         warnings.warn(message + "; skipped.", stacklevel=3)
     absent = [n for n, w in weights.items() if n not in loaded and w.persistent]
     written = state.disk.written if state.disk is not None else set()
-    on_meta = [n for n, w in weights.items() if n not in loaded and current(w).device.type == "meta"
-               and n not in state.cpu and n not in written]
+    on_meta = [
+        n
+        for n, w in weights.items()
+        if n not in loaded
+        and current(w).device.type == "meta"
+        and n not in state.cpu
+        and n not in written
+    ]
     if on_meta or (strict and absent):
         missing = on_meta or absent
         raise CheckpointMismatchError(

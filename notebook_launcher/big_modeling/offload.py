@@ -107,7 +107,12 @@ class DiskStore:
                 os.close(fd)
             self._write_fds.clear()
         index = {
-            name: {"file": p.file, "offset": p.offset, "shape": list(p.shape), "dtype": str(p.dtype)}
+            name: {
+                "file": p.file,
+                "offset": p.offset,
+                "shape": list(p.shape),
+                "dtype": str(p.dtype),
+            }
             for name, p in self.placed.items()
         }
         with open(self.folder / INDEX, "w") as f:
@@ -121,8 +126,12 @@ class DiskStore:
                 fds[file] = os.open(self.folder / file, os.O_RDWR if write else os.O_RDONLY)
             return fds[file]
 
-    def read(self, names: list[str], pin: bool = False,
-             buffer_for: Callable[[int], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    def read(
+        self,
+        names: list[str],
+        pin: bool = False,
+        buffer_for: Callable[[int], torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
         """The tensors ``names``: whole files read in one call where a block owns them all.
 
         ``buffer_for(nbytes)`` may hand out a reused byte buffer to read into: fresh memory
@@ -153,7 +162,11 @@ class DiskStore:
             for name in wanted:
                 place = self.placed[name]
                 piece = buffer[place.offset - start : place.offset - start + place.nbytes]
-                out[name] = piece.view(place.dtype).view(place.shape) if place.nbytes else torch.empty(place.shape, dtype=place.dtype)
+                out[name] = (
+                    piece.view(place.dtype).view(place.shape)
+                    if place.nbytes
+                    else torch.empty(place.shape, dtype=place.dtype)
+                )
         return out
 
     def close(self) -> None:

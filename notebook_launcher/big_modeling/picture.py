@@ -12,7 +12,16 @@ from typing import Any
 from notebook_launcher.big_modeling.sizes import format_bytes
 
 _COLOURS = {"cpu": "#e8892b", "disk": "#7a7f87"}
-_GPU_COLOURS = ("#2f6fde", "#2a9d5b", "#8e44ad", "#c0392b", "#16a2b8", "#b8860b", "#d6336c", "#5c6bc0")
+_GPU_COLOURS = (
+    "#2f6fde",
+    "#2a9d5b",
+    "#8e44ad",
+    "#c0392b",
+    "#16a2b8",
+    "#b8860b",
+    "#d6336c",
+    "#5c6bc0",
+)
 _SHOWN_NAMES = 12
 
 
@@ -33,7 +42,9 @@ def colour(device: str) -> str:
     return _COLOURS.get(device, "#999999")
 
 
-def rows(device_map: Mapping[str, str], sizes: Mapping[str, int], budgets: Mapping[str, int]) -> list[DeviceRow]:
+def rows(
+    device_map: Mapping[str, str], sizes: Mapping[str, int], budgets: Mapping[str, int]
+) -> list[DeviceRow]:
     order: dict[str, DeviceRow] = {}
     for device in budgets:
         if device != "disk":
@@ -57,10 +68,14 @@ def _label(name: str) -> str:
 
 def plan_text(device_map: Any) -> str:
     """One line per device: a bar of its budget, what it holds, then its blocks."""
-    all_rows = rows(device_map, getattr(device_map, "sizes", {}), getattr(device_map, "budgets", {}))
+    all_rows = rows(
+        device_map, getattr(device_map, "sizes", {}), getattr(device_map, "budgets", {})
+    )
     largest = _largest(all_rows)
     total = sum(r.used for r in all_rows)
-    lines = [f"Device map: {_count(len(device_map))}, {format_bytes(total)} of weights (* the largest block)"]
+    lines = [
+        f"Device map: {_count(len(device_map))}, {format_bytes(total)} of weights (* the largest block)"
+    ]
     width = max([len(r.device) for r in all_rows] + [4])
     for row in all_rows:
         scale = row.budget if row.budget else max(row.used, 1)
@@ -68,8 +83,12 @@ def plan_text(device_map: Any) -> str:
         bar = "#" * filled + "." * (20 - filled)
         limit = f"of {format_bytes(row.budget)}" if row.budget is not None else "(no limit)"
         names = [(_label(n) + ("*" if n == largest else "")) for n, _s in row.blocks]
-        shown = ", ".join(names[:_SHOWN_NAMES]) + (f", ... ({len(names)} blocks)" if len(names) > _SHOWN_NAMES else "")
-        lines.append(f"{row.device:<{width}} [{bar}] {format_bytes(row.used)} {limit}: {shown or 'nothing'}")
+        shown = ", ".join(names[:_SHOWN_NAMES]) + (
+            f", ... ({len(names)} blocks)" if len(names) > _SHOWN_NAMES else ""
+        )
+        lines.append(
+            f"{row.device:<{width}} [{bar}] {format_bytes(row.used)} {limit}: {shown or 'nothing'}"
+        )
     return "\n".join(_printable(line) for line in lines)
 
 
@@ -80,7 +99,9 @@ def _printable(text: str) -> str:
 
 def plan_html(device_map: Any) -> str:
     """The plan as HTML: bars scaled to each device's budget, blocks coloured by device."""
-    all_rows = rows(device_map, getattr(device_map, "sizes", {}), getattr(device_map, "budgets", {}))
+    all_rows = rows(
+        device_map, getattr(device_map, "sizes", {}), getattr(device_map, "budgets", {})
+    )
     largest = _largest(all_rows)
     total = sum(r.used for r in all_rows)
     esc = _escape
@@ -97,27 +118,41 @@ def plan_html(device_map: Any) -> str:
         over = row.budget is not None and row.used > row.budget
         parts.append('<div style="display:flex;align-items:center;gap:8px;margin:3px 0">')
         parts.append(f'<div style="width:64px;font-weight:600">{esc(row.device)}</div>')
-        parts.append('<div style="flex:1;height:22px;background:#eef0f3;border:1px solid #c8ccd2;'
-                     'display:flex;overflow:hidden" role="img" '
-                     f'aria-label="{esc(row.device)}: {esc(format_bytes(row.used))} {esc(limit)}">')
+        parts.append(
+            '<div style="flex:1;height:22px;background:#eef0f3;border:1px solid #c8ccd2;'
+            'display:flex;overflow:hidden" role="img" '
+            f'aria-label="{esc(row.device)}: {esc(format_bytes(row.used))} {esc(limit)}">'
+        )
         for position, (name, size) in enumerate(row.blocks):
             share = 100.0 * size / scale
             mark = name == largest
             shade = "filter:brightness(0.88);" if position % 2 else ""
             border = "outline:2px solid #111;outline-offset:-2px;" if mark else ""
             title = f"{_label(name)}: {format_bytes(size)}" + (" (largest block)" if mark else "")
-            star = ('<span style="color:#fff;font-size:12px;line-height:22px;padding-left:2px">'
-                    "&#9733;</span>") if mark else ""
-            parts.append(f'<div title="{esc(title)}" style="width:{share:.3f}%;min-width:1px;'
-                         f'background:{colour(row.device)};{shade}{border}">{star}</div>')
+            star = (
+                (
+                    '<span style="color:#fff;font-size:12px;line-height:22px;padding-left:2px">'
+                    "&#9733;</span>"
+                )
+                if mark
+                else ""
+            )
+            parts.append(
+                f'<div title="{esc(title)}" style="width:{share:.3f}%;min-width:1px;'
+                f'background:{colour(row.device)};{shade}{border}">{star}</div>'
+            )
         parts.append("</div>")
-        parts.append(f'<div style="width:170px;{"color:#b00020;" if over else ""}">'
-                     f"{esc(format_bytes(row.used))} {esc(limit)}</div></div>")
+        parts.append(
+            f'<div style="width:170px;{"color:#b00020;" if over else ""}">'
+            f"{esc(format_bytes(row.used))} {esc(limit)}</div></div>"
+        )
         names = [(("&#9733; " if n == largest else "") + esc(_label(n))) for n, _s in row.blocks]
         shown = ", ".join(names[:_SHOWN_NAMES])
         if len(names) > _SHOWN_NAMES:
             shown += f", &hellip; ({len(names)} blocks)"
-        parts.append(f'<div style="margin:0 0 6px 72px;color:#444;font-size:12px">{shown or "nothing"}</div>')
+        parts.append(
+            f'<div style="margin:0 0 6px 72px;color:#444;font-size:12px">{shown or "nothing"}</div>'
+        )
     parts.append("</div>")
     return "".join(parts)
 

@@ -27,7 +27,10 @@ def exec_device(device: str, main: str) -> str:
 
 
 def homes(
-    weights: Mapping[str, Weight], device_map: Mapping[str, str], main: str, offload_buffers: bool = False
+    weights: Mapping[str, Weight],
+    device_map: Mapping[str, str],
+    main: str,
+    offload_buffers: bool = False,
 ) -> dict[str, str]:
     """Each weight's home: a device it stays on, CPU_STORE, or DISK.
 
@@ -38,7 +41,9 @@ def homes(
     """
     result: dict[str, str] = {}
     for name, weight in weights.items():
-        devices = [d for d in (home_of(slot.name, device_map) for slot in weight.slots) if d is not None]
+        devices = [
+            d for d in (home_of(slot.name, device_map) for slot in weight.slots) if d is not None
+        ]
         if not weight.is_parameter and not (weight.persistent and offload_buffers):
             result[name] = exec_device(devices[0], main) if devices else main
             continue
@@ -52,13 +57,16 @@ def homes(
     return result
 
 
-def disk_blocks(weights: Mapping[str, Weight], device_map: Mapping[str, str],
-                placed: Mapping[str, str]) -> dict[str, list[str]]:
+def disk_blocks(
+    weights: Mapping[str, Weight], device_map: Mapping[str, str], placed: Mapping[str, str]
+) -> dict[str, list[str]]:
     """The weights each map entry sends to disk, so that each entry gets one file."""
     blocks: dict[str, list[str]] = {}
     for name, home in placed.items():
         if home == DISK:
-            blocks.setdefault(entry_of(weights[name].slots[0].name, device_map) or "", []).append(name)
+            blocks.setdefault(entry_of(weights[name].slots[0].name, device_map) or "", []).append(
+                name
+            )
     return blocks
 
 
@@ -73,10 +81,14 @@ class OffloadState:
 def install(weight: Weight, tensor: torch.Tensor) -> None:
     """Put ``tensor`` in every slot of ``weight``: one Parameter object, so ties hold."""
     first = weight.slots[0]
-    current = (first.module._parameters if first.is_parameter else first.module._buffers)[first.attr]
+    current = (first.module._parameters if first.is_parameter else first.module._buffers)[
+        first.attr
+    ]
     value: torch.Tensor
     if first.is_parameter:
-        requires_grad = bool(current is not None and current.requires_grad and tensor.is_floating_point())
+        requires_grad = bool(
+            current is not None and current.requires_grad and tensor.is_floating_point()
+        )
         value = torch.nn.Parameter(tensor, requires_grad=requires_grad)
     else:
         value = tensor

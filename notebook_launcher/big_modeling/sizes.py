@@ -12,22 +12,37 @@ from notebook_launcher.errors import BigModelError
 
 Size = Union[int, str]
 _UNITS = {
-    "": 1, "B": 1,
-    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
 }
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float64": torch.float64, "fp64": torch.float64,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
 }
 
 
 def parse_budget(size: Size, what: str = "budget") -> int:
     """Bytes in ``size``: an int, or "40MB", "2GiB" (MB = 10**6 bytes, MiB = 2**20)."""
     if isinstance(size, bool):
-        raise BigModelError(f"{what}={size!r} is not a size; pass bytes or a string such as '40MB' or '2GiB'.")
+        raise BigModelError(
+            f"{what}={size!r} is not a size; pass bytes or a string such as '40MB' or '2GiB'."
+        )
     if isinstance(size, int):
         if size < 0:
             raise BigModelError(f"{what}={size} is negative; pass a number of bytes of at least 0.")

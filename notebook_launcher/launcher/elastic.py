@@ -28,12 +28,18 @@ def root_failure(outcome: Outcome) -> RankFailure:
 
 def restart_line(restart: int, max_restarts: int, failure: RankFailure) -> str:
     """``restart 1 of 3: rank 1 failed with ValueError: bad batch``."""
-    return f"restart {restart} of {max_restarts}: rank {failure.rank} failed with {describe(failure)}"
+    return (
+        f"restart {restart} of {max_restarts}: rank {failure.rank} failed with {describe(failure)}"
+    )
 
 
 def describe(failure: RankFailure) -> str:
     if failure.exception_type:
-        return f"{failure.exception_type}: {failure.message}" if failure.message else failure.exception_type
+        return (
+            f"{failure.exception_type}: {failure.message}"
+            if failure.message
+            else failure.exception_type
+        )
     if failure.signal_name:
         return failure.signal_name
     return f"exit code {failure.exitcode}"

@@ -122,7 +122,9 @@ def _sparse_columns(calls: Sequence[Mapping[str, float]]) -> dict[str, MetricCol
     for names, indexes in groups.items():
         logged = [calls[index] for index in indexes]
         for name in names:
-            pieces.setdefault(name, []).append((indexes, list(map(operator.itemgetter(name), logged))))
+            pieces.setdefault(name, []).append(
+                (indexes, list(map(operator.itemgetter(name), logged)))
+            )
     columns: dict[str, MetricColumn] = {}
     for name, parts in pieces.items():
         if len(parts) == 1:

@@ -20,7 +20,13 @@ from notebook_launcher.hardware import HardwareReport
 RDZV_BACKENDS = ("static", "c10d")
 # Options of rdzv_conf that launcher/rendezvous.py reads; torchrun's names, and the shared secret.
 RDZV_CONF_KEYS = (
-    "join_timeout", "last_call_timeout", "close_timeout", "timeout", "is_host", "local_addr", "secret",
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "timeout",
+    "is_host",
+    "local_addr",
+    "secret",
 )
 
 
@@ -58,8 +64,13 @@ def check_args(args: Any, kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]
 
 
 def check_scale_out(
-    num_nodes: Any, node_rank: Any, rdzv_backend: Any, rdzv_endpoint: Any, rdzv_conf: Any,
-    rdzv_id: Any, max_restarts: Any,
+    num_nodes: Any,
+    node_rank: Any,
+    rdzv_backend: Any,
+    rdzv_endpoint: Any,
+    rdzv_conf: Any,
+    rdzv_id: Any,
+    max_restarts: Any,
 ) -> dict[str, Any]:
     """The multi-node and elastic arguments, checked (LaunchPlan's fields of those names)."""
     num_nodes = _whole_number("num_nodes", num_nodes, minimum=1)
@@ -83,7 +94,9 @@ def check_scale_out(
             f"rdzv_conf must be a dict such as {{'join_timeout': 900}}; got {rdzv_conf!r}."
         )
     if not isinstance(rdzv_id, str) or not rdzv_id:
-        raise LaunchTypeError(f"rdzv_id must be a non-empty string naming the job; got {rdzv_id!r}.")
+        raise LaunchTypeError(
+            f"rdzv_id must be a non-empty string naming the job; got {rdzv_id!r}."
+        )
     conf = dict(rdzv_conf or {})
     unknown = sorted(set(conf) - set(RDZV_CONF_KEYS))
     if unknown:
@@ -93,7 +106,9 @@ def check_scale_out(
         )
     for key in ("join_timeout", "last_call_timeout", "close_timeout", "timeout"):
         if key in conf:
-            check_seconds(f"rdzv_conf[{key!r}]", _number(conf[key]), example="900", allow_none=False)
+            check_seconds(
+                f"rdzv_conf[{key!r}]", _number(conf[key]), example="900", allow_none=False
+            )
     return {
         "num_nodes": num_nodes,
         "node_rank": node_rank,
@@ -107,7 +122,9 @@ def check_scale_out(
 
 def _whole_number(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise LaunchTypeError(f"{name} must be a whole number; got {type(value).__name__} {value!r}.")
+        raise LaunchTypeError(
+            f"{name} must be a whole number; got {type(value).__name__} {value!r}."
+        )
     if value < minimum:
         raise LaunchConfigError(f"{name} must be at least {minimum}; got {value}.")
     return int(value)
@@ -225,7 +242,9 @@ def check_prefix_template(template: Any) -> str | None:
 
 def check_flag(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, numbers.Integral)) or value not in (0, 1):
-        raise LaunchTypeError(f"{name} must be True or False; got {type(value).__name__} {value!r}.")
+        raise LaunchTypeError(
+            f"{name} must be True or False; got {type(value).__name__} {value!r}."
+        )
     return bool(value)
 
 

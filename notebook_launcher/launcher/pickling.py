@@ -10,7 +10,9 @@ import cloudpickle
 from notebook_launcher.errors import LaunchConfigError
 
 
-def dump_payload(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+def dump_payload(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> bytes:
     """Cloudpickle ``(function, args, kwargs)``, or say which object cannot travel and why."""
     try:
         return cloudpickle.dumps((function, args, kwargs))
@@ -28,7 +30,9 @@ def _describe_unpicklable(
     for index, value in enumerate(args):
         problem = _pickle_problem(value)
         if problem:
-            return f"args[{index}] ({_kind(value)}) cannot be sent to the ranks: {problem}. {advice}"
+            return (
+                f"args[{index}] ({_kind(value)}) cannot be sent to the ranks: {problem}. {advice}"
+            )
     for name, value in kwargs.items():
         problem = _pickle_problem(value)
         if problem:
@@ -42,7 +46,9 @@ def _describe_unpicklable(
                     f"function {name!r} uses the {scope} {variable!r} ({_kind(value)}), which "
                     f"cannot be sent to the ranks: {problem}. {advice}"
                 )
-    return f"function {name!r} cannot be sent to the ranks: {type(error).__name__}: {error}. {advice}"
+    return (
+        f"function {name!r} cannot be sent to the ranks: {type(error).__name__}: {error}. {advice}"
+    )
 
 
 def _referenced_names(function: Callable[..., Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -66,4 +72,8 @@ def _pickle_problem(value: Any) -> str | None:
 
 def _kind(value: Any) -> str:
     kind = type(value)
-    return f"a {kind.__module__}.{kind.__qualname__}" if kind.__module__ != "builtins" else f"a {kind.__qualname__}"
+    return (
+        f"a {kind.__module__}.{kind.__qualname__}"
+        if kind.__module__ != "builtins"
+        else f"a {kind.__qualname__}"
+    )

@@ -42,8 +42,13 @@ def resolve_plan(
     it) when anything rules the launch out, before any process starts."""
     options.check_not_inside_rank(kernel.inside_rank)
     scale_out = options.check_scale_out(
-        call.num_nodes, call.node_rank, call.rdzv_backend, call.rdzv_endpoint, call.rdzv_conf,
-        call.rdzv_id, call.max_restarts,
+        call.num_nodes,
+        call.node_rank,
+        call.rdzv_backend,
+        call.rdzv_endpoint,
+        call.rdzv_conf,
+        call.rdzv_id,
+        call.max_restarts,
     )
     chosen = defaults.values
     accelerator = options.resolve_accelerator(call.hardware, report)
@@ -52,19 +57,24 @@ def resolve_plan(
     with _blamed(defaults, "num_processes", call.num_processes):
         num = options.check_num_processes(
             chosen.num_processes if call.num_processes is None else call.num_processes,
-            accelerator, report,
+            accelerator,
+            report,
         )
     with _blamed(defaults, "mixed_precision", call.mixed_precision):
         precision = options.check_mixed_precision(
             chosen.mixed_precision if call.mixed_precision is None else call.mixed_precision,
-            accelerator, report,
+            accelerator,
+            report,
         )
     with _blamed(defaults, "start_method", call.start_method):
         requested = chosen.start_method if call.start_method is None else call.start_method
         start = choose_start_method("auto" if requested is None else requested, kernel)
-    monitor_interval = options.check_seconds(
-        "monitor_interval", call.monitor_interval, example="0.1", allow_none=False
-    ) or 0.1  # never None here: allow_none=False
+    monitor_interval = (
+        options.check_seconds(
+            "monitor_interval", call.monitor_interval, example="0.1", allow_none=False
+        )
+        or 0.1
+    )  # never None here: allow_none=False
     return LaunchPlan(
         backend=backend,
         num_processes=num,

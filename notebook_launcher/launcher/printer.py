@@ -29,7 +29,11 @@ class TextPrinter:
     """
 
     def __init__(
-        self, output: str = "all", prefix_template: str | None = None, *, progress_lines: bool = True
+        self,
+        output: str = "all",
+        prefix_template: str | None = None,
+        *,
+        progress_lines: bool = True,
     ) -> None:
         self._output = output
         self._progress_lines = progress_lines

@@ -109,7 +109,9 @@ def run_rank(
     memory = _MemoryReporter()
     exit_code: int | str | None = None
     try:
-        function, args, kwargs = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
+        function, args, kwargs = (
+            cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
+        )
         value = function(*args, **kwargs)
     except SystemExit as exit_request:
         memory.stop()
@@ -154,7 +156,9 @@ class _MemoryReporter:
         with contextlib.suppress(Exception):  # a reading is never worth failing a rank for
             rank_memory.reset_peak()
         self._report()
-        self._thread = threading.Thread(target=self._run, name="notebook-launcher-memory", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="notebook-launcher-memory", daemon=True
+        )
         self._thread.start()
 
     def _run(self) -> None:
@@ -166,7 +170,9 @@ class _MemoryReporter:
             reading = rank_memory.read()
             if final or reading.peak_bytes - self._sent_peak >= _MEMORY_STEP_BYTES:
                 self._sent_peak = reading.peak_bytes
-                send(Memory(reading.kind, reading.peak_bytes, reading.current_bytes, reading.device))
+                send(
+                    Memory(reading.kind, reading.peak_bytes, reading.current_bytes, reading.device)
+                )
         except Exception:  # the kernel's end gone, or /proc unreadable: nothing to tell
             return
 
@@ -400,7 +406,9 @@ def _apply_kernel_state(spec: RankSpec) -> None:
         import torch
     if torch is not None:
         if spec.torch_rng_state is not None:
-            torch.random.set_rng_state(torch.frombuffer(bytearray(spec.torch_rng_state), dtype=torch.uint8))
+            torch.random.set_rng_state(
+                torch.frombuffer(bytearray(spec.torch_rng_state), dtype=torch.uint8)
+            )
         if spec.threads is not None:
             torch.set_num_threads(spec.threads)
         if spec.accelerator == "cuda":

@@ -233,7 +233,11 @@ class RankGroup:
         the other ranks (with ``stop_on_failure``). Messages of kinds the group does not
         know go to ``on_message``.
         """
-        self._deadline, self._stop_requested, self._on_message = deadline, stop_requested, on_message
+        self._deadline, self._stop_requested, self._on_message = (
+            deadline,
+            stop_requested,
+            on_message,
+        )
         while (until is None or not until()) and self._busy():
             self.watch(self._next_timeout())
         return self.outcome
@@ -376,7 +380,13 @@ class RankGroup:
             self._emit(RankMetrics(rank.rank, message))
         elif isinstance(message, Memory):
             self._emit(
-                RankMemory(rank.rank, message.kind, message.peak_bytes, message.current_bytes, message.device)
+                RankMemory(
+                    rank.rank,
+                    message.kind,
+                    message.peak_bytes,
+                    message.current_bytes,
+                    message.device,
+                )
             )
         elif self._on_message is not None:
             self._on_message(rank, message)
@@ -401,7 +411,13 @@ class RankGroup:
         rank.finished_sent = True
         self.outcome.finished_at[rank.rank] = rank.ended_at or time.time()
         exitcode = rank.ended.exitcode if rank.ended is not None else None
-        state = "failed" if failure is not None else "done" if rank.rank in self.outcome.results else "stopped"
+        state = (
+            "failed"
+            if failure is not None
+            else "done"
+            if rank.rank in self.outcome.results
+            else "stopped"
+        )
         self._emit(RankFinished(rank.rank, exitcode, failure, state))
 
     def _judge(self, rank: Rank) -> RankFailure | None:
@@ -410,8 +426,13 @@ class RankGroup:
             if isinstance(message, Failure):
                 self._keep_remote_exception(rank.rank, message.exception, message.exception_class)
                 return RankFailure(
-                    rank.rank, rank.pid, exitcode, message.exception_type, message.message,
-                    message.traceback, time=message.time,
+                    rank.rank,
+                    rank.pid,
+                    exitcode,
+                    message.exception_type,
+                    message.message,
+                    message.traceback,
+                    time=message.time,
                 )
             # A rank stopped by the group after its result was sent had returned: the
             # signal only cut short its process's exit.
@@ -426,14 +447,21 @@ class RankGroup:
         # A rank lost with its machine is a failure even while the group was stopping it:
         # the stop did not end it, and its loss often explains why its peers failed.
         return RankFailure(
-            rank.rank, rank.pid, exitcode, output_tail=crash_excerpt(list(rank.tail)),
-            time=time.time(), lost=lost or "",
+            rank.rank,
+            rank.pid,
+            exitcode,
+            output_tail=crash_excerpt(list(rank.tail)),
+            time=time.time(),
+            lost=lost or "",
         )
 
     def _keep_remote_exception(
         self, rank: int, pickled: bytes | None, pickled_class: bytes | None
     ) -> None:
-        for data, where in ((pickled, self.outcome.remote_exceptions), (pickled_class, self.outcome.remote_types)):
+        for data, where in (
+            (pickled, self.outcome.remote_exceptions),
+            (pickled_class, self.outcome.remote_types),
+        ):
             if data is not None:
                 with contextlib.suppress(Exception):  # its class may not exist in the kernel
                     where[rank] = cloudpickle.loads(data)

@@ -166,12 +166,18 @@ class LocalRendezvous:
 class _Clock:
     """The rendezvous's limit: join_timeout, or what is left of the launch's timeout=."""
 
-    def __init__(self, join_timeout_s: float, launch_deadline: float | None, launch_timeout_s: float | None) -> None:
+    def __init__(
+        self, join_timeout_s: float, launch_deadline: float | None, launch_timeout_s: float | None
+    ) -> None:
         self.started = time.monotonic()
         self._join = (self.started + join_timeout_s, f"join_timeout={join_timeout_s:g}s")
         self._launch = (
-            (launch_deadline, f"timeout={launch_timeout_s:g}s (the launch's limit, rendezvous included)")
-            if launch_deadline is not None else None
+            (
+                launch_deadline,
+                f"timeout={launch_timeout_s:g}s (the launch's limit, rendezvous included)",
+            )
+            if launch_deadline is not None
+            else None
         )
 
     def _limit(self) -> tuple[float, str]:
@@ -230,8 +236,12 @@ class NodeRendezvous:
         # Without a shared secret the keys are only set apart from other launches, not hidden.
         self._secret = derived_secret(config.secret or "", endpoint)
         self._me = {
-            **(fingerprint or {}), "node_rank": config.node_rank, "num_nodes": config.num_nodes,
-            "num_processes": nproc, "host": socket.gethostname(), "pid": os.getpid(),
+            **(fingerprint or {}),
+            "node_rank": config.node_rank,
+            "num_nodes": config.num_nodes,
+            "num_processes": nproc,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
         }
         self._clock = _Clock(config.join_timeout_s, deadline, timeout_s)
         self._emit = emit
@@ -267,11 +277,18 @@ class NodeRendezvous:
                 else:
                     self._hosting = True
                     return TCPStore(
-                        self._host, self._port, None, is_master=True,
+                        self._host,
+                        self._port,
+                        None,
+                        is_master=True,
                         timeout=timedelta(seconds=max(1.0, self._clock.limit_s())),
-                        wait_for_workers=False, master_listen_fd=listener.detach(), use_libuv=True,
+                        wait_for_workers=False,
+                        master_listen_fd=listener.detach(),
+                        use_libuv=True,
                     )
-            found = probe_store(self._host, self._port, max(0.1, min(_PROBE_S, self._clock.remaining())))
+            found = probe_store(
+                self._host, self._port, max(0.1, min(_PROBE_S, self._clock.remaining()))
+            )
             if found == "other":
                 raise RendezvousError(
                     f"node_rank={config.node_rank}: {self._source}: the program listening on "
@@ -287,7 +304,10 @@ class NodeRendezvous:
                 # question whether it is closing: that too is a store to wait for.
                 try:
                     store = TCPStore(
-                        self._host, self._port, None, is_master=False,
+                        self._host,
+                        self._port,
+                        None,
+                        is_master=False,
                         timeout=timedelta(seconds=max(0.1, min(_PROBE_S, self._clock.remaining()))),
                     )
                     store.set_timeout(timedelta(seconds=max(1.0, self._clock.limit_s())))
@@ -310,7 +330,9 @@ class NodeRendezvous:
                     f"{self._endpoint} within {self._clock.words} ({state}). {hint}"
                 )
             self._waiting(
-                "the rendezvous store", (), (),
+                "the rendezvous store",
+                (),
+                (),
                 f"node_rank={config.node_rank} waits for the rendezvous store at {self._endpoint} "
                 f"({state}; node_rank=0 hosts it)",
             )
@@ -325,15 +347,27 @@ class NodeRendezvous:
             return _truthy(is_host)
         return None if _is_local_address(self._host) else False
 
-    def _waiting(self, what: str, joined: tuple[int, ...], missing: tuple[int, ...], line: str) -> None:
+    def _waiting(
+        self, what: str, joined: tuple[int, ...], missing: tuple[int, ...], line: str
+    ) -> None:
         waited = self._clock.waited()
-        if self._emit is None or waited < _FIRST_WAIT_LINE_S or waited - self._last_line < _WAIT_LINE_EVERY_S:
+        if (
+            self._emit is None
+            or waited < _FIRST_WAIT_LINE_S
+            or waited - self._last_line < _WAIT_LINE_EVERY_S
+        ):
             return
         self._last_line = waited
-        self._emit(RendezvousWaiting(
-            what, joined, missing, waited, self._clock.limit_s(),
-            f"{line}, {waited:.0f}s of {self._clock.words}",
-        ))
+        self._emit(
+            RendezvousWaiting(
+                what,
+                joined,
+                missing,
+                waited,
+                self._clock.limit_s(),
+                f"{line}, {waited:.0f}s of {self._clock.words}",
+            )
+        )
 
     # each round -----------------------------------------------------------------------
 
@@ -348,7 +382,9 @@ class NodeRendezvous:
         if self._handler is not None:
             announced = f"{config.run_id}/attempt{attempt}/machines"
             self._keys.append(announced, json.dumps(self._me) + "\n")
-            self._refuse_disagreement(_lines(self._keys.get(announced)), self._keys, f"{announced}/refused")
+            self._refuse_disagreement(
+                _lines(self._keys.get(announced)), self._keys, f"{announced}/refused"
+            )
             try:
                 with _no_shared_store_server():
                     info = self._handler.next_rendezvous()
@@ -391,7 +427,8 @@ class NodeRendezvous:
         store.set(f"machine/{group_rank}", json.dumps({**self._me, "group_rank": group_rank}))
         while True:
             machines = [
-                json.loads(store.get(f"machine/{r}")) for r in range(num_nodes)
+                json.loads(store.get(f"machine/{r}"))
+                for r in range(num_nodes)
                 if store.check([f"machine/{r}"])
             ]
             self._refuse_disagreement(machines, store, "refused")
@@ -410,13 +447,17 @@ class NodeRendezvous:
                     f"that they reach {self._endpoint}."
                 )
             self._waiting(
-                "machines", joined, missing,
+                "machines",
+                joined,
+                missing,
                 f"node_rank={config.node_rank} waits for node_rank {names} at {self._endpoint} "
                 f"({len(joined)} of {num_nodes} machines joined)",
             )
             time.sleep(_RETRY_S)
 
-    def _refuse_disagreement(self, machines: list[dict[str, Any]], store: Any, refused_key: str) -> None:
+    def _refuse_disagreement(
+        self, machines: list[dict[str, Any]], store: Any, refused_key: str
+    ) -> None:
         """Refuse (RendezvousError) where the machines that joined disagree on what they
         must agree on, after holding ``store`` for the others' refusals."""
         problem = self._disagreement(machines)
@@ -424,7 +465,9 @@ class NodeRendezvous:
             self._hold_store_for_refusals(store, refused_key, machines)
             raise RendezvousError(problem)
 
-    def _hold_store_for_refusals(self, store: Any, refused_key: str, machines: list[dict[str, Any]]) -> None:
+    def _hold_store_for_refusals(
+        self, store: Any, refused_key: str, machines: list[dict[str, Any]]
+    ) -> None:
         """Each machine that joined refuses too; the host keeps its store until they have
         (bounded), or a machine a moment behind would find the store gone instead of the
         values it disagrees with."""
@@ -459,7 +502,9 @@ class NodeRendezvous:
 
     def _c10d_failure(self, error: Exception, announced: str) -> RendezvousError:
         config = self._config
-        machines = _lines(self._keys.get(announced)) if self._keys.check([announced]) else [self._me]
+        machines = (
+            _lines(self._keys.get(announced)) if self._keys.check([announced]) else [self._me]
+        )
         cause = type(error).__name__ + (f": {error}" if str(error) else "")
         timed_out = "Timeout" in type(error).__name__
         kind = RendezvousTimeoutError if timed_out else RendezvousError
@@ -490,8 +535,12 @@ class NodeRendezvous:
                 self._handler.shutdown()
             self._handler = None
         try:
-            barrier(self._keys, config.num_nodes, f"{config.run_id}/exit",
-                    barrier_timeout=config.join_timeout_s)
+            barrier(
+                self._keys,
+                config.num_nodes,
+                f"{config.run_id}/exit",
+                barrier_timeout=config.join_timeout_s,
+            )
             # The host marks its store as closing before anyone leaves, so that a machine
             # already starting its next launch never mistakes this store for the new one;
             # and it keeps the store alive until every other machine is through.
@@ -532,9 +581,13 @@ def _lines(data: bytes) -> list[dict[str, Any]]:
 
 
 def _describe(machines: list[dict[str, Any]]) -> str:
-    return ", ".join(
-        f"node_rank={m.get('group_rank', m['node_rank'])} ({m['host']}, pid {m['pid']})" for m in machines
-    ) or "none"
+    return (
+        ", ".join(
+            f"node_rank={m.get('group_rank', m['node_rank'])} ({m['host']}, pid {m['pid']})"
+            for m in machines
+        )
+        or "none"
+    )
 
 
 def config_of(plan: LaunchPlan) -> RendezvousConfig | None:
@@ -543,8 +596,12 @@ def config_of(plan: LaunchPlan) -> RendezvousConfig | None:
     if plan.num_nodes == 1 and not plan.rdzv_endpoint:
         return None
     return RendezvousConfig(
-        backend=plan.rdzv_backend, num_nodes=plan.num_nodes, node_rank=plan.node_rank,
-        endpoint=plan.rdzv_endpoint, run_id=plan.rdzv_id, conf=dict(plan.rdzv_conf),
+        backend=plan.rdzv_backend,
+        num_nodes=plan.num_nodes,
+        node_rank=plan.node_rank,
+        endpoint=plan.rdzv_endpoint,
+        run_id=plan.rdzv_id,
+        conf=dict(plan.rdzv_conf),
     )
 
 
@@ -565,8 +622,14 @@ def open_rendezvous(
     if config is None:
         return LocalRendezvous(master_addr, port, nproc)
     return NodeRendezvous(
-        config, master_addr, port, nproc, fingerprint=fingerprint, deadline=deadline,
-        timeout_s=timeout_s, emit=emit,
+        config,
+        master_addr,
+        port,
+        nproc,
+        fingerprint=fingerprint,
+        deadline=deadline,
+        timeout_s=timeout_s,
+        emit=emit,
     )
 
 
@@ -641,4 +704,3 @@ def _truthy(value: Any) -> bool:
 
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host else host
-

@@ -38,7 +38,9 @@ def finish(
         )
     if outcome.stopped_from_outside:
         emit(LaunchFinished("stopped", elapsed))
-        raise LaunchStoppedError("the launch was stopped from the JupyterLab sidebar; every rank was stopped.")
+        raise LaunchStoppedError(
+            "the launch was stopped from the JupyterLab sidebar; every rank was stopped."
+        )
     emit(LaunchFinished("ok", elapsed))
     return [outcome.results[rank].value() for rank in sorted(outcome.results)]
 
@@ -71,7 +73,9 @@ def rank_failed_error(outcome: Outcome) -> RankFailedError:
     # Where the exception itself could not travel (an attribute that cannot be pickled),
     # its type alone still makes `except ValueError` work.
     remote_type = type(remote) if remote is not None else outcome.remote_types.get(root.rank)
-    if remote_type is not None and not (isinstance(remote_type, type) and issubclass(remote_type, BaseException)):
+    if remote_type is not None and not (
+        isinstance(remote_type, type) and issubclass(remote_type, BaseException)
+    ):
         remote_type = None
     error = rank_failed_error_class(remote_type)("\n".join(lines), failures)
     if remote is not None:
@@ -88,7 +92,8 @@ def _left_early(outcome: Outcome, root: RankFailure) -> str | None:
     # where the first failure is a closed connection, every rank that returned came first.
     closed = _is_closed_connection(root)
     gone = [
-        rank for rank, result in sorted(outcome.results.items())
+        rank
+        for rank, result in sorted(outcome.results.items())
         if closed or outcome.finished_at.get(rank, root.time) <= root.time
     ]
     if not gone:
@@ -96,7 +101,9 @@ def _left_early(outcome: Outcome, root: RankFailure) -> str | None:
     how = []
     for rank in gone:
         code = outcome.results[rank].exit_code
-        how.append(f"rank {rank} (sys.exit({code!r}))" if code is not None else f"rank {rank} (returned)")
+        how.append(
+            f"rank {rank} (sys.exit({code!r}))" if code is not None else f"rank {rank} (returned)"
+        )
     ranks = ", ".join(how)
     return (
         f"Before that, {ranks} had already exited early, while rank {root.rank} still needed it: "
@@ -107,8 +114,13 @@ def _left_early(outcome: Outcome, root: RankFailure) -> str | None:
 
 
 # What torch's gloo and TCPStore say when the other end of a connection has gone.
-_CLOSED_CONNECTION = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                      "Connection was likely closed", "connectFullMesh failed")
+_CLOSED_CONNECTION = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Connection was likely closed",
+    "connectFullMesh failed",
+)
 
 
 def _is_closed_connection(failure: RankFailure) -> bool:

@@ -83,20 +83,34 @@ def _execute(
     deadline = started + plan.timeout if plan.timeout is not None else None
     with contextlib.ExitStack() as cleanup:
         meeting = open_rendezvous(
-            rendezvous.config_of(plan), plan.master_addr, plan.port, plan.num_processes,
-            fingerprint=fingerprint, deadline=deadline, timeout_s=plan.timeout,
+            rendezvous.config_of(plan),
+            plan.master_addr,
+            plan.port,
+            plan.num_processes,
+            fingerprint=fingerprint,
+            deadline=deadline,
+            timeout_s=plan.timeout,
             emit=emit,
         )
         cleanup.callback(meeting.close)
-        emit(LaunchStarted(plan.num_processes, plan.start.method, plan.accelerator,
-                           plan.mixed_precision, plan.start.fallback_reason,
-                           first_rank=_first_rank(plan)))
+        emit(
+            LaunchStarted(
+                plan.num_processes,
+                plan.start.method,
+                plan.accelerator,
+                plan.mixed_precision,
+                plan.start.fallback_reason,
+                first_rank=_first_rank(plan),
+            )
+        )
         cleanup.push(_FinishedOnError(emit, started))
         attempt = 0
         first_failure = None
         while True:
             try:
-                outcome = _run_attempt(plan, backend, payload, meeting, attempt, launch_id, emit, deadline)
+                outcome = _run_attempt(
+                    plan, backend, payload, meeting, attempt, launch_id, emit, deadline
+                )
             except rendezvous.RendezvousError as error:
                 if first_failure is None:
                     raise
@@ -111,8 +125,14 @@ def _execute(
             attempt += 1
             failure = elastic.root_failure(outcome)
             first_failure = first_failure or failure
-            emit(GroupRestarting(attempt, plan.max_restarts, failure,
-                                 elastic.restart_line(attempt, plan.max_restarts, failure)))
+            emit(
+                GroupRestarting(
+                    attempt,
+                    plan.max_restarts,
+                    failure,
+                    elastic.restart_line(attempt, plan.max_restarts, failure),
+                )
+            )
         if not (outcome.failures or outcome.timed_out_ranks or outcome.stopped_from_outside):
             meeting.finish()
     return report.finish(outcome, plan, emit, time.monotonic() - started)
@@ -133,7 +153,11 @@ def _run_attempt(
         round_ = meeting.next_round(attempt)
         cleanup.callback(round_.close)
         group = RankGroup(
-            plan, backend, rank_specs(plan, launch_id, round_=round_, attempt=attempt), emit, launch_id=launch_id
+            plan,
+            backend,
+            rank_specs(plan, launch_id, round_=round_, attempt=attempt),
+            emit,
+            launch_id=launch_id,
         )
         cleanup.callback(group.close)
         group.start(payload)
@@ -166,7 +190,10 @@ class _FinishedOnError:
         self._emit, self._started = emit, started
 
     def __call__(
-        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
     ) -> bool:
         if kind is not None:
             outcome = "interrupted" if issubclass(kind, KeyboardInterrupt) else "error"
@@ -175,7 +202,11 @@ class _FinishedOnError:
 
 
 def rank_specs(
-    plan: LaunchPlan, launch_id: str, port: int | None = None, *, round_: Round | None = None,
+    plan: LaunchPlan,
+    launch_id: str,
+    port: int | None = None,
+    *,
+    round_: Round | None = None,
     attempt: int = 0,
 ) -> list[RankSpec]:
     """What each local rank of ``plan`` needs besides the function (its environment...).
@@ -189,7 +220,9 @@ def rank_specs(
     torch = sys.modules.get("torch")
     # A fork already carries the kernel's RNG state; fresh interpreters are handed it.
     # As bytes: a tensor sent through multiprocessing would be moved to shared memory.
-    torch_rng = bytes(torch.random.get_rng_state().numpy()) if torch is not None and not fork else None
+    torch_rng = (
+        bytes(torch.random.get_rng_state().numpy()) if torch is not None and not fork else None
+    )
     python_rng = random.getstate()
     environ = dict(os.environ)
     nproc = plan.num_processes
@@ -204,37 +237,51 @@ def rank_specs(
     for local_rank in range(nproc):
         rank = round_.group_rank * nproc + local_rank
         rank_environ = rank_env.rank_environment(
-            launch_id=launch_id, rank=rank, local_rank=local_rank,
-            world_size=round_.num_nodes * nproc, local_world_size=nproc,
-            group_rank=round_.group_rank, master_addr=round_.master_addr,
-            master_port=round_.master_port, mixed_precision=plan.mixed_precision,
-            accelerator=plan.accelerator, threads_per_rank=plan.threads_per_rank,
+            launch_id=launch_id,
+            rank=rank,
+            local_rank=local_rank,
+            world_size=round_.num_nodes * nproc,
+            local_world_size=nproc,
+            group_rank=round_.group_rank,
+            master_addr=round_.master_addr,
+            master_port=round_.master_port,
+            mixed_precision=plan.mixed_precision,
+            accelerator=plan.accelerator,
+            threads_per_rank=plan.threads_per_rank,
             environ=environ,
         )
         rank_environ.update(elastic_vars)
         if round_.secret is not None:
             rank_environ[store.SECRET_ENV] = round_.secret
-        specs.append(RankSpec(
-            rank=rank,
-            local_rank=local_rank,
-            environ=rank_environ,
-            cwd=os.getcwd(),
-            sys_path=list(sys.path),
-            accelerator=plan.accelerator,
-            threads=plan.threads_per_rank if "OMP_NUM_THREADS" not in environ else None,
-            python_random_state=python_rng,
-            torch_rng_state=torch_rng,
-            keep_result_devices=plan.keep_result_devices,
-        ))
+        specs.append(
+            RankSpec(
+                rank=rank,
+                local_rank=local_rank,
+                environ=rank_environ,
+                cwd=os.getcwd(),
+                sys_path=list(sys.path),
+                accelerator=plan.accelerator,
+                threads=plan.threads_per_rank if "OMP_NUM_THREADS" not in environ else None,
+                python_random_state=python_rng,
+                torch_rng_state=torch_rng,
+                keep_result_devices=plan.keep_result_devices,
+            )
+        )
     return specs
 
 
 def _register(launch_id: str, plan: LaunchPlan, rank_pids: list[int]) -> registry.RegisteredLaunch:
     return registry.RegisteredLaunch(
         registry.LaunchRecord(
-            launch_id=launch_id, kernel_id=registry.current_kernel_id(), kernel_pid=os.getpid(),
-            num_processes=plan.num_processes, accelerator=plan.accelerator,
-            mixed_precision=plan.mixed_precision, start_method=plan.start.method,
-            state="running", started_at=time.time(), rank_pids=rank_pids,
+            launch_id=launch_id,
+            kernel_id=registry.current_kernel_id(),
+            kernel_pid=os.getpid(),
+            num_processes=plan.num_processes,
+            accelerator=plan.accelerator,
+            mixed_precision=plan.mixed_precision,
+            start_method=plan.start.method,
+            state="running",
+            started_at=time.time(),
+            rank_pids=rank_pids,
         )
     )

@@ -44,8 +44,14 @@ class SealedStore(dist.Store):
         return nonce + body + self._tag(name, nonce, body)
 
     def _open(self, name: str, sealed: bytes) -> bytes:
-        nonce, body, tag = sealed[:_NONCE_BYTES], sealed[_NONCE_BYTES:-_TAG_BYTES], sealed[-_TAG_BYTES:]
-        if len(sealed) < _NONCE_BYTES + _TAG_BYTES or not hmac.compare_digest(tag, self._tag(name, nonce, body)):
+        nonce, body, tag = (
+            sealed[:_NONCE_BYTES],
+            sealed[_NONCE_BYTES:-_TAG_BYTES],
+            sealed[-_TAG_BYTES:],
+        )
+        if len(sealed) < _NONCE_BYTES + _TAG_BYTES or not hmac.compare_digest(
+            tag, self._tag(name, nonce, body)
+        ):
             raise ForgedStoreValue(
                 "a rendezvous store value failed its check: a process without the secret of "
                 "this launch or session wrote it. Another program on this machine is writing to the store's "
@@ -104,4 +110,6 @@ def _bytes(value: Any) -> bytes:
 
 
 def _xor(data: bytes, stream: bytes) -> bytes:
-    return (int.from_bytes(data, "little") ^ int.from_bytes(stream, "little")).to_bytes(len(data), "little")
+    return (int.from_bytes(data, "little") ^ int.from_bytes(stream, "little")).to_bytes(
+        len(data), "little"
+    )

@@ -43,7 +43,9 @@ class KernelState:
     fork_available: bool = True  # the platform has fork and it is safe there
     forkserver_available: bool = True
     cuda_initialized: bool = False  # torch created a CUDA context here
-    process_group_initialized: bool = False  # torch.distributed is initialised here: forks inherit it
+    process_group_initialized: bool = (
+        False  # torch.distributed is initialised here: forks inherit it
+    )
     cuda_driver_loaded: bool = False  # some library (not necessarily torch) loaded the CUDA driver
     inside_rank: bool = False  # this process is itself a rank of a launch
     platform: str = "linux"
@@ -62,9 +64,7 @@ class KernelState:
         torch = sys.modules.get("torch")
         cuda_initialized = bool(torch is not None and torch.cuda.is_initialized())
         dist = sys.modules.get("torch.distributed")
-        group_initialized = bool(
-            dist is not None and dist.is_available() and dist.is_initialized()
-        )
+        group_initialized = bool(dist is not None and dist.is_available() and dist.is_initialized())
         return cls(
             fork_available=support["fork"] is None,
             forkserver_available=support["forkserver"] is None,

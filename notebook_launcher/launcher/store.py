@@ -110,7 +110,9 @@ def protect_env_rendezvous(secret: str | None) -> None:
     if getattr(original, "_notebook_launcher_secret", None) is not None:
         original = original._notebook_launcher_original
 
-    def secured(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any) -> Iterator[Any]:
+    def secured(
+        url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any
+    ) -> Iterator[Any]:
         from notebook_launcher.launcher.sealed_store import SealedStore
 
         store, rank, world_size = next(original(url, timeout=timeout, **kwargs))

@@ -177,7 +177,7 @@ class DefaultsHandler(_Handler):
         except RecursionError:
             self._refuse(
                 400,
-                'The request body is JSON nested too deeply to be launch defaults; send an '
+                "The request body is JSON nested too deeply to be launch defaults; send an "
                 'object such as {"num_processes": 2}.',
             )
             return

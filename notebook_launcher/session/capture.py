@@ -147,13 +147,19 @@ def _free_reads(node: ast.AST, bound: set[str]) -> set[str]:
             local.update(a.arg for a in every)
         elif isinstance(inner, ast.comprehension):
             local.update(n.id for n in ast.walk(inner.target) if isinstance(n, ast.Name))
-        elif isinstance(inner, ast.Name) and isinstance(inner.ctx, ast.Store) and _inside_scope(node):
+        elif (
+            isinstance(inner, ast.Name) and isinstance(inner.ctx, ast.Store) and _inside_scope(node)
+        ):
             local.add(inner.id)
     declared_global = {n for g in ast.walk(node) if isinstance(g, ast.Global) for n in g.names}
     local -= declared_global
     return {
-        n.id for n in ast.walk(node)
-        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in bound and n.id not in local
+        n.id
+        for n in ast.walk(node)
+        if isinstance(n, ast.Name)
+        and isinstance(n.ctx, ast.Load)
+        and n.id not in bound
+        and n.id not in local
     }
 
 
@@ -179,7 +185,9 @@ def _loaded_and_bound(tree: ast.AST) -> tuple[set[str], set[str]]:
 
 
 def notebook_values(
-    code: str | ast.Module, user_ns: Mapping[str, Any], skip: set[str] | frozenset[str] = frozenset(),
+    code: str | ast.Module,
+    user_ns: Mapping[str, Any],
+    skip: set[str] | frozenset[str] = frozenset(),
     hidden: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The notebook's values of the names ``code`` reads before binding them, minus ``skip``
@@ -191,8 +199,12 @@ def notebook_values(
     tree = ast.parse(code) if isinstance(code, str) else code
     loaded, bound = _loaded_and_bound(tree)
     wanted = {
-        name for name in loaded
-        if name in user_ns and name not in skip and name not in _IPYTHON_NAMES and not name.startswith("_")
+        name
+        for name in loaded
+        if name in user_ns
+        and name not in skip
+        and name not in _IPYTHON_NAMES
+        and not name.startswith("_")
     }
     if wanted & bound:  # the order of reads and writes decides; in most cells nothing is both
         wanted &= used_names(tree)

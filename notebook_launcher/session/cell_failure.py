@@ -13,7 +13,10 @@ from notebook_launcher.session.protocol import Reply
 
 
 def cell_error(
-    replies: dict[int, Reply], failed: list[int], interrupted: list[int], regrouped: bool,
+    replies: dict[int, Reply],
+    failed: list[int],
+    interrupted: list[int],
+    regrouped: bool,
     pids: list[int],
 ) -> RankFailedError:
     """Raised in the kernel: ``failed`` ranks replied with a failure, ``interrupted`` ones
@@ -22,7 +25,11 @@ def cell_error(
     for rank in failed:
         f = replies[rank].failure
         assert f is not None
-        failures.append(RankFailure(rank, pids[rank], None, f.exception_type, f.message, f.traceback, time=f.time))
+        failures.append(
+            RankFailure(
+                rank, pids[rank], None, f.exception_type, f.message, f.traceback, time=f.time
+            )
+        )
     failures.sort(key=lambda f: f.time)
     root = failures[0]
     lines = [f"{root.summary()}."]

@@ -70,7 +70,11 @@ def _describe(namespace: dict[str, Any], name: str) -> str | None:
     if not found:
         return None
     kind = type(value)
-    lines = [f"Type:      {kind.__module__}.{kind.__qualname__}" if kind.__module__ != "builtins" else f"Type:      {kind.__qualname__}"]
+    lines = [
+        f"Type:      {kind.__module__}.{kind.__qualname__}"
+        if kind.__module__ != "builtins"
+        else f"Type:      {kind.__qualname__}"
+    ]
     if callable(value):
         try:
             lines.append(f"Signature: {name}{inspect.signature(value)}")
@@ -96,7 +100,11 @@ def _lookup(namespace: dict[str, Any], dotted: str) -> tuple[bool, Any]:
         return False, None
     for part in rest:
         try:
-            value = inspect.getattr_static(value, part) if isinstance(value, type) else getattr(value, part)
+            value = (
+                inspect.getattr_static(value, part)
+                if isinstance(value, type)
+                else getattr(value, part)
+            )
         except Exception:
             return False, None
     return True, value
@@ -142,7 +150,11 @@ def merge(per_rank: list[list[tuple[str, str]]]) -> list[tuple[str, str]]:
         ranks = where[text]
         kind = kinds[text]
         if len(ranks) < world:
-            kind = f"{kind}, rank {', '.join(map(str, ranks))} only" if kind else f"rank {', '.join(map(str, ranks))} only"
+            kind = (
+                f"{kind}, rank {', '.join(map(str, ranks))} only"
+                if kind
+                else f"rank {', '.join(map(str, ranks))} only"
+            )
         merged.append((text, kind))
     return merged
 
@@ -172,7 +184,9 @@ def install(shell: Any, session_of: Callable[[], Any], auto_of: Callable[[], boo
         return
     kernel_inspect = kernel.do_inspect
 
-    def do_inspect(code: str, cursor_pos: int, detail_level: int = 0, omit_sections: Any = ()) -> dict[str, Any]:
+    def do_inspect(
+        code: str, cursor_pos: int, detail_level: int = 0, omit_sections: Any = ()
+    ) -> dict[str, Any]:
         session = session_of()
         if session is None or not session.alive or not rank_cell(code, auto_of()):
             return kernel_inspect(code, cursor_pos, detail_level, omit_sections)

@@ -50,7 +50,11 @@ class _RemoteConsole:
     """pdb's stdin and stdout: output is gathered, and each line read is asked of the kernel."""
 
     def __init__(
-        self, seq: int, receive: Callable[[], Any], send: Callable[[Any], None], keep: Callable[[Any], None]
+        self,
+        seq: int,
+        receive: Callable[[], Any],
+        send: Callable[[Any], None],
+        keep: Callable[[Any], None],
     ) -> None:
         self._seq = seq
         self._receive = receive  # the kernel's next message, read whole
@@ -87,7 +91,9 @@ class _RemoteConsole:
 def _plain_pdb() -> type[pdb.Pdb]:
     """The standard library's pdb: a rank forked from a kernel inherits IPython's in its place
     (coloured, another prompt), while ranks started otherwise have the plain one."""
-    return next((c for c in pdb.Pdb.__mro__ if c.__module__ == "pdb" and c.__name__ == "Pdb"), pdb.Pdb)
+    return next(
+        (c for c in pdb.Pdb.__mro__ if c.__module__ == "pdb" and c.__name__ == "Pdb"), pdb.Pdb
+    )
 
 
 class _CellPdb(_plain_pdb()):  # type: ignore[misc]
@@ -102,12 +108,19 @@ class _CellPdb(_plain_pdb()):  # type: ignore[misc]
 
 
 def post_mortem(
-    failure: LastFailure, rank: int, seq: int, receive: Callable[[], Any], send: Callable[[Any], None],
-    keep: Callable[[Any], None], cell_files: set[str],
+    failure: LastFailure,
+    rank: int,
+    seq: int,
+    receive: Callable[[], Any],
+    send: Callable[[Any], None],
+    keep: Callable[[Any], None],
+    cell_files: set[str],
 ) -> str:
     """Run pdb at the frame that raised, until the user quits; what pdb wrote last."""
     console = _RemoteConsole(seq, receive, send, keep)
-    console.write(f"pdb in rank {rank}, at the error of {failure.what} (q quits; the other ranks wait).\n")
+    console.write(
+        f"pdb in rank {rank}, at the error of {failure.what} (q quits; the other ranks wait).\n"
+    )
     debugger = _CellPdb(cell_files, stdin=console, stdout=console, nosigint=True, readrc=False)
     debugger.reset()
     try:
@@ -121,8 +134,12 @@ def post_mortem(
 
 
 def converse(
-    prompts: dict[tuple[int, int], list[DebugPrompt]], rank: int, seq: int,
-    answer: Callable[[int, DebugInput], None], read: Callable[[str], str], write: Callable[[str], None],
+    prompts: dict[tuple[int, int], list[DebugPrompt]],
+    rank: int,
+    seq: int,
+    answer: Callable[[int, DebugInput], None],
+    read: Callable[[str], str],
+    write: Callable[[str], None],
 ) -> None:
     """Answer each waiting prompt of command ``seq`` on ``rank``: show pdb's output, read a line."""
     for prompt in prompts.pop((rank, seq), []):

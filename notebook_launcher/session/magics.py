@@ -70,7 +70,9 @@ def _parsers() -> tuple[_Parser, _Parser]:
     cell.add_argument("--return", dest="returns", nargs="+", default=[])
     cell.add_argument("--show", dest="show", nargs="+", default=[])
     cell.add_argument("--timeout", type=float, default=None)
-    cell.add_argument("--auto", action="store_true", help=argparse.SUPPRESS)  # put there by auto mode
+    cell.add_argument(
+        "--auto", action="store_true", help=argparse.SUPPRESS
+    )  # put there by auto mode
     return line, cell
 
 
@@ -102,7 +104,9 @@ def parse_cell_line(line: str) -> argparse.Namespace:
 # Where none of these occur, IPython's input transformations leave a cell as it is (they
 # act on magics, !cmd, help?, /,; escapes, a first line's indentation and pasted prompts),
 # and a cell skips them: they cost about as much as the rest of the kernel's part of a cell.
-_MAYBE_IPYTHON_SYNTAX = re.compile(r"[%!?]|^[ \t]*[/,;]|\A\s*(>>>|In \[|\.\.\.|[ \t])", re.MULTILINE)
+_MAYBE_IPYTHON_SYNTAX = re.compile(
+    r"[%!?]|^[ \t]*[/,;]|\A\s*(>>>|In \[|\.\.\.|[ \t])", re.MULTILINE
+)
 
 
 def transform_cell(shell: Any, cell: str) -> str:
@@ -112,7 +116,9 @@ def transform_cell(shell: Any, cell: str) -> str:
     return str(shell.transform_cell(cell))
 
 
-def rank_code(cell: str, transformed: str, filename: str, first_line: int = 2) -> tuple[str, ast.Module]:
+def rank_code(
+    cell: str, transformed: str, filename: str, first_line: int = 2
+) -> tuple[str, ast.Module]:
     """The cell as the ranks run it, checked in the kernel first; and its syntax tree.
 
     ``transformed`` is the cell after IPython's input transformations: plain Python passes
@@ -246,8 +252,9 @@ class DistributedMagics(Magics):
         self.auto = on
         print(
             "notebook_launcher: every cell now runs on the ranks; a cell that starts with %%local "
-            "runs in the kernel, and %distributed auto off ends this." if on else
-            "notebook_launcher: cells run in the kernel again; %%distributed runs one on the ranks."
+            "runs in the kernel, and %distributed auto off ends this."
+            if on
+            else "notebook_launcher: cells run in the kernel again; %%distributed runs one on the ranks."
         )
 
     def _to_ranks(self, lines: list[str]) -> list[str]:
@@ -257,7 +264,10 @@ class DistributedMagics(Magics):
         first = lines[0].lstrip()
         if first.startswith("%%local"):
             return lines[1:]
-        if first.startswith(("%distributed", "%%", "%load_ext", "%reload_ext")) or not "".join(lines).strip():
+        if (
+            first.startswith(("%distributed", "%%", "%load_ext", "%reload_ext"))
+            or not "".join(lines).strip()
+        ):
             return lines
         return ["%%distributed --auto\n", *lines]
 
@@ -302,7 +312,10 @@ class DistributedMagics(Magics):
         # An auto-mode cell's first line is the user's own: no %%distributed line above it.
         code, tree = rank_code(cell, transformed, filename, first_line=1 if args.auto else 2)
         if args.auto:
-            print("notebook_launcher: [on the ranks] (auto mode; %%local runs a cell here)", file=sys.stderr)
+            print(
+                "notebook_launcher: [on the ranks] (auto mode; %%local runs a cell here)",
+                file=sys.stderr,
+            )
         if self.session is None:
             self.session = self._hold_presses(Session())
             print(
@@ -312,14 +325,21 @@ class DistributedMagics(Magics):
             )
         session = self.session
         names = notebook_values(
-            tree, self._shell.user_ns, skip=session.owned_names | set(BASE_NAMES),
+            tree,
+            self._shell.user_ns,
+            skip=session.owned_names | set(BASE_NAMES),
             hidden=self._shell.user_ns_hidden,
         )
         ranks = args.ranks if args.ranks is not None else list(range(session.plan.num_processes))
         shown = _ShownAround(session, args.show) if args.show else None
         try:
             values = session.execute(
-                code, ranks, names=names, returns=args.returns, filename=filename, timeout=args.timeout
+                code,
+                ranks,
+                names=names,
+                returns=args.returns,
+                filename=filename,
+                timeout=args.timeout,
             )
         except (KeyboardInterrupt, SessionTimeoutError) as error:
             # The message is the whole story; IPython would add a traceback through this package.

@@ -85,12 +85,14 @@ def _bundle(rank: int, text: str, state: TextProgress) -> dict[str, str]:
         counts = f"{fraction:.0%} {_count(state.n)}/{_count(state.total)}"
     else:
         bar, counts = "", _count(state.n)
-    details = ", ".join(part for part in (state.remaining and f"{state.remaining} left", state.rate) if part)
+    details = ", ".join(
+        part for part in (state.remaining and f"{state.remaining} left", state.rate) if part
+    )
     label = f"rank {rank}" + (f" · {state.description}" if state.description else "")
     markup = (
         '<div style="font-family: var(--jp-code-font-family, monospace); font-size: 0.9em">'
         f"<b>{html.escape(label)}</b> {bar} {html.escape(counts)}"
-        + (f" <span style=\"opacity: 0.7\">[{html.escape(details)}]</span>" if details else "")
+        + (f' <span style="opacity: 0.7">[{html.escape(details)}]</span>' if details else "")
         + "</div>"
     )
     return {"text/plain": f"[rank{rank}]: {text}", "text/html": markup}

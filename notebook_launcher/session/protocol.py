@@ -124,7 +124,9 @@ class Reply:
     failure: Failure | None = None
     interrupted: bool = False  # the failure is the KeyboardInterrupt the kernel sent
     group_broken: bool = False  # a collective was cut short: the process group needs a Regroup
-    owned: tuple[str, ...] = ()  # names the rank's own code bound (never overwritten by notebook values)
+    owned: tuple[
+        str, ...
+    ] = ()  # names the rank's own code bound (never overwritten by notebook values)
 
 
 class RemoteRepr:

@@ -59,8 +59,12 @@ class SessionRanks:
             store = RendezvousStore(listener, plan.world_size)
             self._cleanup.callback(store.close)
             self.group = RankGroup(
-                plan, backend, rank_specs(plan, self.launch_id, store.port), Emitter(observers),
-                launch_id=self.launch_id, with_commands=True,
+                plan,
+                backend,
+                rank_specs(plan, self.launch_id, store.port),
+                Emitter(observers),
+                launch_id=self.launch_id,
+                with_commands=True,
             )
             self._cleanup.callback(self.group.close)
             self.group.start(None, target=session_rank)
@@ -81,7 +85,9 @@ class SessionRanks:
     def exited(self) -> dict[int, RankFailure | None]:
         """Ranks that ended, with how (None: the group stopped it)."""
         failures = {failure.rank: failure for failure in self.group.outcome.failures}
-        return {r.rank: failures.get(r.rank) for r in self.group.ranks if r.state == RankState.EXITED}
+        return {
+            r.rank: failures.get(r.rank) for r in self.group.ranks if r.state == RankState.EXITED
+        }
 
     def send(self, rank: int, command: Command | Join | DebugInput) -> None:
         try:

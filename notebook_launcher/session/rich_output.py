@@ -169,7 +169,9 @@ def _figure_png(value: Any) -> str | None:
 class _Publisher:
     """Stands in for the kernel's display publisher that a forked rank inherited."""
 
-    def publish(self, data: dict[str, Any], metadata: dict[str, Any] | None = None, **_: Any) -> None:
+    def publish(
+        self, data: dict[str, Any], metadata: dict[str, Any] | None = None, **_: Any
+    ) -> None:
         publish(data, metadata)
 
     def clear_output(self, wait: bool = False) -> None:

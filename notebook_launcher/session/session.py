@@ -121,16 +121,24 @@ class Session:
             raise
         self._record = registry.RegisteredLaunch(
             registry.LaunchRecord(
-                launch_id=ranks.launch_id, kernel_id=registry.current_kernel_id(),
-                kernel_pid=os.getpid(), num_processes=self.plan.num_processes,
-                accelerator=self.plan.accelerator, mixed_precision=self.plan.mixed_precision,
-                start_method=self.plan.start.method, state="running", started_at=time.time(),
-                rank_pids=ranks.pids, kind="session",
+                launch_id=ranks.launch_id,
+                kernel_id=registry.current_kernel_id(),
+                kernel_pid=os.getpid(),
+                num_processes=self.plan.num_processes,
+                accelerator=self.plan.accelerator,
+                mixed_precision=self.plan.mixed_precision,
+                start_method=self.plan.start.method,
+                state="running",
+                started_at=time.time(),
+                rank_pids=ranks.pids,
+                kind="session",
             )
         )
         self._watch_stop.clear()
         self._watcher = threading.Thread(
-            target=self._watch_sidebar, args=(self._record, ranks), daemon=True,
+            target=self._watch_sidebar,
+            args=(self._record, ranks),
+            daemon=True,
             name=f"notebook_launcher-session-{ranks.launch_id}",
         )
         self._watcher.start()
@@ -248,9 +256,13 @@ class Session:
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0
         ):
-            raise LaunchTypeError(f"timeout={timeout!r} must be a number of seconds above 0, or None.")
+            raise LaunchTypeError(
+                f"timeout={timeout!r} must be a number of seconds above 0, or None."
+            )
         if not isinstance(code, str):
-            raise LaunchTypeError(f"code must be a string of Python source; got {type(code).__name__}.")
+            raise LaunchTypeError(
+                f"code must be a string of Python source; got {type(code).__name__}."
+            )
         targets = self._targets(ranks)
         self.returned, self.returned_rank = {}, None
         blob = check_picklable(dict(names or {}), "the cell uses")
@@ -270,7 +282,9 @@ class Session:
 
     def push(self, names: Mapping[str, Any], ranks: Sequence[int] | None = None) -> None:
         """Put ``names`` into the namespace of every rank (or of ``ranks``)."""
-        if not isinstance(names, Mapping) or not all(isinstance(k, str) and k.isidentifier() for k in names):
+        if not isinstance(names, Mapping) or not all(
+            isinstance(k, str) and k.isidentifier() for k in names
+        ):
             raise LaunchTypeError(
                 f"push() takes a dict of variable names to values, such as {{'lr': 0.1}}; got {names!r}."
             )
@@ -331,7 +345,9 @@ class Session:
         with ranks.pumping:
             ranks.send(target, Debug(seq))
             # input() looked up now: a kernel replaces it while a cell runs, to ask the notebook
-            reply = ranks.debug(target, seq, read or (lambda prompt: builtins.input(prompt)), _write)
+            reply = ranks.debug(
+                target, seq, read or (lambda prompt: builtins.input(prompt)), _write
+            )
             ranks.drain()
         if reply is None:
             self._end()
@@ -350,7 +366,9 @@ class Session:
         """Completions of ``token`` (``x``, ``model.lay``) from every rank's namespace, as
         (text, type); a name only some ranks have says which."""
         replies = self._roundtrip(self._all(), lambda seq: Complete(seq, token))
-        return merge([cloudpickle.loads(replies[r].value or cloudpickle.dumps([])) for r in self._all()])
+        return merge(
+            [cloudpickle.loads(replies[r].value or cloudpickle.dumps([])) for r in self._all()]
+        )
 
     def describe_name(self, name: str) -> str | None:
         """Type, signature and docstring of ``name`` on the first rank that has it (None: none has)."""
@@ -386,7 +404,11 @@ class Session:
         given: list[Any] = [ranks] if isinstance(ranks, numbers.Integral) else list(ranks)  # type: ignore[arg-type]
         world = self.plan.num_processes
         for rank in given:
-            if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= int(rank) < world:
+            if (
+                isinstance(rank, bool)
+                or not isinstance(rank, numbers.Integral)
+                or not 0 <= int(rank) < world
+            ):
                 raise LaunchTypeError(
                     f"ranks={given!r}: {rank!r} is not a rank of this session, which has "
                     f"ranks 0 to {world - 1}."
@@ -405,7 +427,9 @@ class Session:
                 "the session is closed; create a new Session (or %distributed start) to run code on ranks."
             )
         if not self.alive or self._ranks is None:
-            raise SessionError(f"the session has no usable ranks: {self._why_unusable()}. {_RESTART_HINT}; names defined on the old ranks are lost.")
+            raise SessionError(
+                f"the session has no usable ranks: {self._why_unusable()}. {_RESTART_HINT}; names defined on the old ranks are lost."
+            )
         return self._ranks
 
     def _why_unusable(self) -> str:
@@ -429,7 +453,9 @@ class Session:
             for rank in targets:
                 ranks.send(rank, make(seq))
             deadline = None if timeout is None else time.monotonic() + timeout
-            replies, user_interrupt, still_running = self._collect(ranks, seq, targets, presses, deadline)
+            replies, user_interrupt, still_running = self._collect(
+                ranks, seq, targets, presses, deadline
+            )
             ranks.drain()
             for reply in replies.values():
                 self._owned.update(reply.owned)
@@ -456,7 +482,9 @@ class Session:
                     + "; the session is ready for the next cell."
                     + self._where_stopped()
                 )
-            failed = [r for r in targets if replies[r].failure is not None and not replies[r].interrupted]
+            failed = [
+                r for r in targets if replies[r].failure is not None and not replies[r].interrupted
+            ]
             if failed:
                 self._failed_rank = min(failed, key=lambda r: replies[r].failure.time)  # type: ignore[union-attr]
                 raise cell_error(replies, failed, still_running, regrouped, self.pids)
@@ -467,7 +495,11 @@ class Session:
                 self.hold_interrupts(presses.release)
 
     def _collect(
-        self, ranks: SessionRanks, seq: int, targets: list[int], presses: StopPresses,
+        self,
+        ranks: SessionRanks,
+        seq: int,
+        targets: list[int],
+        presses: StopPresses,
         deadline: float | None,
     ) -> tuple[dict[int, Reply], bool, list[int]]:
         """Wait for every target's answer, a rank's death, an interrupt or the deadline."""
@@ -493,7 +525,12 @@ class Session:
                 ranks.interrupt(pending, seq)
                 interrupted_at = time.monotonic()
                 continue
-            if deadline is not None and interrupted_at is None and pending and time.monotonic() >= deadline:
+            if (
+                deadline is not None
+                and interrupted_at is None
+                and pending
+                and time.monotonic() >= deadline
+            ):
                 self._timed_out = True
                 self._note_where(ranks, pending)
                 ranks.interrupt(pending, seq)
@@ -504,7 +541,12 @@ class Session:
                     continue
                 replies[rank] = reply
                 pending.remove(rank)
-                if reply.failure is not None and not reply.interrupted and interrupted_at is None and pending:
+                if (
+                    reply.failure is not None
+                    and not reply.interrupted
+                    and interrupted_at is None
+                    and pending
+                ):
                     interrupted = list(pending)
                     ranks.interrupt(pending, seq)
                     interrupted_at = time.monotonic()
@@ -516,7 +558,11 @@ class Session:
                         f"{_RESTART_HINT}."
                     )
                 raise self._death_error(during="while running the cell")
-            if interrupted_at is not None and not warned and time.monotonic() - interrupted_at > _STUCK_AFTER_S:
+            if (
+                interrupted_at is not None
+                and not warned
+                and time.monotonic() - interrupted_at > _STUCK_AFTER_S
+            ):
                 warned = True
                 presses.ending = True
                 print(
@@ -537,13 +583,19 @@ class Session:
         pressed_at: float | None = None
         while not all((r, seq) in ranks.replies for r in everyone) and not ranks.any_ended():
             try:
-                ranks.pump(lambda: all((r, seq) in ranks.replies for r in everyone), timeout=_WAKE_S)
+                ranks.pump(
+                    lambda: all((r, seq) in ranks.replies for r in everyone), timeout=_WAKE_S
+                )
             except KeyboardInterrupt:
                 if pressed_at is not None:  # pressed again after the ranks were declared stuck
                     raise self._stopped_stuck(everyone) from None
                 presses.install()
                 pressed_at = time.monotonic()
-            if pressed_at is not None and not presses.ending and time.monotonic() - pressed_at > _STUCK_AFTER_S:
+            if (
+                pressed_at is not None
+                and not presses.ending
+                and time.monotonic() - pressed_at > _STUCK_AFTER_S
+            ):
                 presses.ending = True
                 print(
                     f"notebook_launcher: the process group was not rebuilt within {_STUCK_AFTER_S:g}s "
@@ -554,8 +606,11 @@ class Session:
         replies = [ranks.replies.pop((r, seq), None) for r in everyone]
         if ranks.exited or any(reply is None or reply.failure is not None for reply in replies):
             why = next(
-                (f" (rank {r}: {reply.failure.exception_type}: {reply.failure.message})"
-                 for r, reply in zip(everyone, replies) if reply is not None and reply.failure is not None),
+                (
+                    f" (rank {r}: {reply.failure.exception_type}: {reply.failure.message})"
+                    for r, reply in zip(everyone, replies)
+                    if reply is not None and reply.failure is not None
+                ),
                 "",
             )
             self._end("its process group could not be rebuilt")
@@ -600,7 +655,8 @@ class Session:
     def _death_error(self, during: str) -> RankFailedError:
         ranks = self._ranks
         failures = sorted(
-            (f for f in (ranks.exited.values() if ranks else ()) if f is not None), key=lambda f: f.time
+            (f for f in (ranks.exited.values() if ranks else ()) if f is not None),
+            key=lambda f: f.time,
         )
         if not failures:
             return RankFailedError(f"the session's ranks ended {during}. {_RESTART_HINT}.", [])
@@ -626,7 +682,12 @@ def make_plan(
 ) -> LaunchPlan:
     """The launcher's own plan (same checks, defaults and messages) for the session's ranks."""
     call = LaunchCall(
-        num_processes=num_processes, mixed_precision=mixed_precision, hardware=hardware,
-        start_method=start_method, output=output, return_all=True, monitor_interval=_WAKE_S,
+        num_processes=num_processes,
+        mixed_precision=mixed_precision,
+        hardware=hardware,
+        start_method=start_method,
+        output=output,
+        return_all=True,
+        monitor_interval=_WAKE_S,
     )
     return resolve_plan(call, effective_defaults(), detect_hardware(), KernelState.detect())

@@ -60,7 +60,9 @@ class SnapshotTaker:
         self._last_cpu = _cpu_seconds()
         self._last_time = time.monotonic()
 
-    def take(self, running: Running | None, is_cell: Callable[[str], bool], device: Any) -> Snapshot:
+    def take(
+        self, running: Running | None, is_cell: Callable[[str], bool], device: Any
+    ) -> Snapshot:
         now, cpu = time.monotonic(), _cpu_seconds()
         elapsed = max(now - self._last_time, 1e-6)
         cpu_percent = 100.0 * max(cpu - self._last_cpu, 0.0) / elapsed
@@ -116,15 +118,20 @@ def _called_name(frame: FrameType) -> str:
             position = instruction.positions
             if position is None or position.lineno is None or position.end_lineno is None:
                 return ""
-            lines = linecache.getlines(frame.f_code.co_filename)[position.lineno - 1 : position.end_lineno]
+            lines = linecache.getlines(frame.f_code.co_filename)[
+                position.lineno - 1 : position.end_lineno
+            ]
             if not lines or position.col_offset is None or position.end_col_offset is None:
                 return ""
             if len(lines) == 1:
                 source = lines[0].encode()[position.col_offset : position.end_col_offset].decode()
             else:
                 source = "".join(
-                    [lines[0].encode()[position.col_offset :].decode(), *lines[1:-1],
-                     lines[-1].encode()[: position.end_col_offset].decode()]
+                    [
+                        lines[0].encode()[position.col_offset :].decode(),
+                        *lines[1:-1],
+                        lines[-1].encode()[: position.end_col_offset].decode(),
+                    ]
                 )
             call = ast.parse(source.strip(), mode="eval").body
             if isinstance(call, ast.Call):
@@ -183,9 +190,17 @@ def status_line(row: dict[str, Any]) -> str:
     """One rank's status as the magic prints it."""
     if row["pid"] is None:
         return f"rank {row['rank']}: {row['state']}"
-    state = "idle" if row["state"] == "idle" else f"running {row['running']} for {_duration(row['running_s'])}"
-    parts = [f"rank {row['rank']}: {state}", f"pid {row['pid']}", f"RSS {_size(row['rss_bytes'])}",
-             f"CPU {row['cpu_percent']:.0f}%"]
+    state = (
+        "idle"
+        if row["state"] == "idle"
+        else f"running {row['running']} for {_duration(row['running_s'])}"
+    )
+    parts = [
+        f"rank {row['rank']}: {state}",
+        f"pid {row['pid']}",
+        f"RSS {_size(row['rss_bytes'])}",
+        f"CPU {row['cpu_percent']:.0f}%",
+    ]
     if row["cuda_allocated_bytes"] is not None:
         parts.append(
             f"CUDA {_size(row['cuda_allocated_bytes'])} allocated, {_size(row['cuda_reserved_bytes'])} reserved"

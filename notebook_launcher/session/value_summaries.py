@@ -89,7 +89,8 @@ def summarize_name(namespace: dict[str, Any], name: str, rank: int) -> ValueSumm
         except Exception as error:
             where = ".".join([head, *attributes[:depth]])
             why = (
-                f"{where} has no attribute {attribute}" if isinstance(error, AttributeError)
+                f"{where} has no attribute {attribute}"
+                if isinstance(error, AttributeError)
                 else f"reading {where}.{attribute} raised {type(error).__name__}"
             )
             return ValueSummary(name, rank, "missing", text=f"{why} on rank {rank}")
@@ -111,16 +112,26 @@ def summarize(value: Any, name: str = "", rank: int = 0) -> ValueSummary:
             tensor = torch.from_numpy(value)
         except (TypeError, ValueError):
             return _object(value, name, rank)
-        return dataclasses.replace(_tensor(torch, tensor, name, rank), type_name="ndarray", device="numpy")
+        return dataclasses.replace(
+            _tensor(torch, tensor, name, rank), type_name="ndarray", device="numpy"
+        )
     if isinstance(value, numbers.Number):
         text = repr(value)
         return ValueSummary(
-            name, rank, "number", type(value).__name__, _cut(text),
+            name,
+            rank,
+            "number",
+            type(value).__name__,
+            _cut(text),
             key=_digest(f"{type(value).__name__}:{text}".encode()),
         )
     if isinstance(value, str):
         return ValueSummary(
-            name, rank, "text", "str", _cut(value),
+            name,
+            rank,
+            "text",
+            "str",
+            _cut(value),
             key=_digest(b"str:" + value.encode("utf-8", "surrogatepass")),
         )
     return _object(value, name, rank)
@@ -132,7 +143,11 @@ def _object(value: Any, name: str, rank: int, why: str = "") -> ValueSummary:
     except Exception as error:
         text = f"<{type(value).__name__} (repr failed: {type(error).__name__})>"
     return ValueSummary(
-        name, rank, "object", type(value).__name__, _cut(text) + why,
+        name,
+        rank,
+        "object",
+        type(value).__name__,
+        _cut(text) + why,
         key=_digest(f"{type(value).__qualname__}:{text}".encode("utf-8", "surrogatepass")),
     )
 
@@ -186,7 +201,9 @@ def _tensor(torch: Any, value: Any, name: str, rank: int) -> ValueSummary:
             nan = int(torch.isnan(work).sum())
             inf = numel - nan - int(finite.sum())
             good = work[finite]
-            low, high = (float(v) for v in torch.aminmax(good)) if good.numel() else (math.nan, math.nan)
+            low, high = (
+                (float(v) for v in torch.aminmax(good)) if good.numel() else (math.nan, math.nan)
+            )
         if good.numel():
             stats = {"minimum": low, "maximum": high, "mean": float(good.mean())}
     elements: tuple[str, ...] = ()
@@ -194,10 +211,23 @@ def _tensor(torch: Any, value: Any, name: str, rank: int) -> ValueSummary:
         elements = tuple(_element(x) for x in flat.tolist())
     grid, grid_note = _grid(torch, work)
     return ValueSummary(
-        name, rank, "tensor", type_name, key=hasher.hexdigest(), shape=shape,
-        dtype=str(tensor.dtype).replace("torch.", ""), device=device, numel=numel,
-        elements=elements, grid=grid, grid_note=grid_note, nan=nan, inf=inf, note=note,
-        text=elements[0] if shape == () and elements else "", **stats,
+        name,
+        rank,
+        "tensor",
+        type_name,
+        key=hasher.hexdigest(),
+        shape=shape,
+        dtype=str(tensor.dtype).replace("torch.", ""),
+        device=device,
+        numel=numel,
+        elements=elements,
+        grid=grid,
+        grid_note=grid_note,
+        nan=nan,
+        inf=inf,
+        note=note,
+        text=elements[0] if shape == () and elements else "",
+        **stats,
     )
 
 

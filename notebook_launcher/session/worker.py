@@ -108,8 +108,11 @@ class Worker:
         self._dist = dist
         self._secret = secret
         self._store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world_size,
-            is_master=False, timeout=timedelta(seconds=300),
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            self.world_size,
+            is_master=False,
+            timeout=timedelta(seconds=300),
         )
         self._group_sockets: set[tuple[int, int]] = set()  # (descriptor, inode)
         self._init_group(0)
@@ -133,8 +136,10 @@ class Worker:
         # Held here too: torch keeps only the C++ half of a Store written in Python.
         self._sealed_store = SealedStore(self._store, self._secret, generation)
         self._dist.init_process_group(
-            backend, store=self._sealed_store,
-            rank=self.rank, world_size=self.world_size,
+            backend,
+            store=self._sealed_store,
+            rank=self.rank,
+            world_size=self.world_size,
             device_id=self.namespace["device"] if backend == "nccl" else None,
         )
         self._group_sockets = _tcp_sockets() - before
@@ -188,7 +193,11 @@ class Worker:
     def _send_snapshot(self) -> None:
         """From the side thread, while the main thread does whatever it does."""
         with contextlib.suppress(Exception):  # a look must never harm the rank
-            send(self._snapshots.take(self.running, self.cell_files.__contains__, self.namespace["device"]))
+            send(
+                self._snapshots.take(
+                    self.running, self.cell_files.__contains__, self.namespace["device"]
+                )
+            )
 
     def handle(self, command: Command) -> Reply:
         self.running = Running(_what(command), time.monotonic())
@@ -204,10 +213,15 @@ class Worker:
             # or instead of the KeyboardInterrupt: either way the kernel's interrupt ended it.
             interrupted = isinstance(error, KeyboardInterrupt) or self.interrupts.signalled
             if isinstance(command, (Execute, Call)) and not interrupted:
-                self.last_failure = LastFailure(self.running.what, rank_runner.user_frames(error.__traceback__))
+                self.last_failure = LastFailure(
+                    self.running.what, rank_runner.user_frames(error.__traceback__)
+                )
             return Reply(
-                command.seq, failure=rank_runner.failure_record(error), interrupted=interrupted,
-                group_broken=self.group_broken, owned=self._owned(),
+                command.seq,
+                failure=rank_runner.failure_record(error),
+                interrupted=interrupted,
+                group_broken=self.group_broken,
+                owned=self._owned(),
             )
         finally:
             if isinstance(command, Execute):
@@ -242,7 +256,9 @@ class Worker:
             returned = {}
             for name in command.returns:
                 if name not in self.namespace:
-                    raise NameError(f"--return {name}: name {name!r} is not defined on rank {self.rank}")
+                    raise NameError(
+                        f"--return {name}: name {name!r} is not defined on rank {self.rank}"
+                    )
                 returned[name] = _dumps(self.namespace[name])
             return cloudpickle.dumps((_dumps(last), returned))
         if isinstance(command, Call):
@@ -274,14 +290,20 @@ class Worker:
         if failure is None or commands is None:
             why = (
                 f"the last cell it ran ({self.last_ran}) did not fail there"
-                if self.last_ran is not None else "no cell has run there yet"
+                if self.last_ran is not None
+                else "no cell has run there yet"
             )
             return "nothing", (
                 f"rank {self.rank} has no error to debug: {why}. A rank keeps its error for "
                 "%distributed debug until the next cell runs."
             )
         return "done", post_mortem(
-            failure, self.rank, seq, lambda: self._receive_for_pdb(commands), send, self._waiting.append,
+            failure,
+            self.rank,
+            seq,
+            lambda: self._receive_for_pdb(commands),
+            send,
+            self._waiting.append,
             self.cell_files,
         )
 

@@ -103,8 +103,12 @@ class StackedBars(_Shown):
         legend_y = h + 8
         x = float(left)
         for j, part in enumerate(self.parts):
-            items.append(f'<rect x="{x}" y="{legend_y}" width="10" height="10" fill="{PART_COLOURS[j % len(PART_COLOURS)]}"/>')
-            items.append(f'<text x="{x + 14}" y="{legend_y + 9}" {_FONT}>{html.escape(part)}</text>')
+            items.append(
+                f'<rect x="{x}" y="{legend_y}" width="10" height="10" fill="{PART_COLOURS[j % len(PART_COLOURS)]}"/>'
+            )
+            items.append(
+                f'<text x="{x + 14}" y="{legend_y + 9}" {_FONT}>{html.escape(part)}</text>'
+            )
             x += 14 + 7 * len(part) + 16
         w, total_h = left + width + 80, legend_y + 16
         svg = (
@@ -150,13 +154,19 @@ class Timeline(_Shown):
         for i, row in enumerate(self.rows):
             y = i * (row_h + 6)
             items.append(f'<rect x="{left}" y="{y}" width="{width}" height="{row_h}" fill="#eee"/>')
-            items.append(f'<text x="{left - 6}" y="{y + row_h / 2 + 3.5}" text-anchor="end" {_FONT}>{html.escape(row)}</text>')
+            items.append(
+                f'<text x="{left - 6}" y="{y + row_h / 2 + 3.5}" text-anchor="end" {_FONT}>{html.escape(row)}</text>'
+            )
             for r, label, s, e in self.spans:
                 if r != row:
                     continue
                 x, w = left + (s - self.start) / whole * width, max((e - s) / whole * width, 1.0)
                 micro = label.lstrip("FB")
-                colour = PART_COLOURS[labels.index(micro) % len(PART_COLOURS)] if micro in labels else "#888"
+                colour = (
+                    PART_COLOURS[labels.index(micro) % len(PART_COLOURS)]
+                    if micro in labels
+                    else "#888"
+                )
                 fill = colour if label.startswith("F") else "#fff"
                 items.append(
                     f'<rect x="{x:.2f}" y="{y + 2}" width="{w:.2f}" height="{row_h - 4}" fill="{fill}" stroke="{colour}" '
@@ -186,14 +196,28 @@ class Timeline(_Shown):
 class Measured(_Shown):
     """Measured ``(x, y)`` points against a model ``y = slope * x``, on log-log axes."""
 
-    def __init__(self, title: str, points: Sequence[tuple[float, float]], slope: float, x_name: str, y_name: str, model_name: str) -> None:
-        self.title, self.points, self.slope = title, [(float(x), float(y)) for x, y in points], slope
+    def __init__(
+        self,
+        title: str,
+        points: Sequence[tuple[float, float]],
+        slope: float,
+        x_name: str,
+        y_name: str,
+        model_name: str,
+    ) -> None:
+        self.title, self.points, self.slope = (
+            title,
+            [(float(x), float(y)) for x, y in points],
+            slope,
+        )
         self.x_name, self.y_name, self.model_name = x_name, y_name, model_name
 
     def text(self) -> str:
         lines = [f"{self.title}:"]
         for x, y in self.points:
-            lines.append(f"  {self.x_name} {x:,.0f}: {self.y_name} {y:.4g}, {self.model_name} {self.slope * x:.4g}")
+            lines.append(
+                f"  {self.x_name} {x:,.0f}: {self.y_name} {y:.4g}, {self.model_name} {self.slope * x:.4g}"
+            )
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -211,17 +235,25 @@ class Measured(_Shown):
         def sy(y: float) -> float:
             return height - (math.log10(max(y, 10**ly0)) - ly0) / (ly1 - ly0) * height + 8
 
-        items = [f'<rect x="{left}" y="8" width="{width}" height="{height}" fill="none" stroke="#999"/>']
+        items = [
+            f'<rect x="{left}" y="8" width="{width}" height="{height}" fill="none" stroke="#999"/>'
+        ]
         line = " ".join(f"{sx(x):.1f},{sy(self.slope * x):.1f}" for x in xs)
-        items.append(f'<polyline points="{line}" fill="none" stroke="#d55e00" stroke-dasharray="4 3" stroke-width="1.5"/>')
+        items.append(
+            f'<polyline points="{line}" fill="none" stroke="#d55e00" stroke-dasharray="4 3" stroke-width="1.5"/>'
+        )
         for x, y in self.points:
             items.append(
                 f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3.5" fill="#0072b2">'
                 f"<title>{html.escape(f'{self.x_name} {x:,.0f}: {self.y_name} {y:.4g}')}</title></circle>"
             )
         for x in xs[:: max(1, len(xs) // 5)]:
-            items.append(f'<text x="{sx(x):.1f}" y="{height + 22}" text-anchor="middle" {_FONT}>{x:,.0f}</text>')
-        items.append(f'<text x="{left}" y="{height + 34}" {_FONT}>{html.escape(self.x_name)} (log scale)</text>')
+            items.append(
+                f'<text x="{sx(x):.1f}" y="{height + 22}" text-anchor="middle" {_FONT}>{x:,.0f}</text>'
+            )
+        items.append(
+            f'<text x="{left}" y="{height + 34}" {_FONT}>{html.escape(self.x_name)} (log scale)</text>'
+        )
         items.append(
             f'<text x="{left + 6}" y="22" {_FONT} fill="#0072b2">● {html.escape(self.y_name)} (measured)</text>'
             f'<text x="{left + 6}" y="36" {_FONT} fill="#d55e00">-- {html.escape(self.model_name)}</text>'

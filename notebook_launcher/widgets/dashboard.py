@@ -207,7 +207,11 @@ class WidgetDashboard:
             layout=w.Layout(display="none", max_width="100%", overflow="auto"), style=style
         )
         self.outputs = [
-            w.HTML(views.output_html(self.record.rows[r], OUTPUT_LINES_SHOWN), layout=layout, style=style)
+            w.HTML(
+                views.output_html(self.record.rows[r], OUTPUT_LINES_SHOWN),
+                layout=layout,
+                style=style,
+            )
             for r in sorted(self.record.rows)
         ]
         self._shown["output"], self._last["output"] = self.record.output_version, now
@@ -294,7 +298,9 @@ class WidgetDashboard:
             for rank, widget in zip(sorted(record.rows), self.outputs):
                 widget.value = views.output_html(record.rows[rank], OUTPUT_LINES_SHOWN)
             self._title_outputs()
-        wait = max(PLOT_INTERVAL_S, PLOT_COST_FACTOR * self._plot_cost, self._plot_bytes / PLOT_BYTES_PER_S)
+        wait = max(
+            PLOT_INTERVAL_S, PLOT_COST_FACTOR * self._plot_cost, self._plot_bytes / PLOT_BYTES_PER_S
+        )
         if (
             not final
             and record.curves_version != self._shown["curves"]

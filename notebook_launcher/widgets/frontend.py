@@ -17,7 +17,7 @@ from notebook_launcher.errors import LaunchConfigError
 
 
 def shell_kind() -> str:
-    """"kernel" in a Jupyter kernel, "terminal" in terminal IPython, else "none"."""
+    """ "kernel" in a Jupyter kernel, "terminal" in terminal IPython, else "none"."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
     if shell is None:
@@ -32,7 +32,7 @@ def ipywidgets_installed() -> bool:
 
 
 def choose_view(dashboard: Any, shell: str, has_ipywidgets: bool) -> str | None:
-    """"widgets", "text" or None (no dashboard), from the ``dashboard=`` argument."""
+    """ "widgets", "text" or None (no dashboard), from the ``dashboard=`` argument."""
     if dashboard is False:
         return None
     if not (dashboard is True or (isinstance(dashboard, str) and dashboard == "auto")):

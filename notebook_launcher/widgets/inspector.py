@@ -52,7 +52,12 @@ class Verdict:
 
 
 _MARKS = {"equal": "=", "differs": "≠", "sharded": "⊞", "missing": "∅"}
-_STATE_COLOURS = {"equal": EQUAL_COLOUR, "differs": DIFFER_COLOUR, "sharded": SHARDED_COLOUR, "missing": MISSING_COLOUR}
+_STATE_COLOURS = {
+    "equal": EQUAL_COLOUR,
+    "differs": DIFFER_COLOUR,
+    "sharded": SHARDED_COLOUR,
+    "missing": MISSING_COLOUR,
+}
 
 
 def verdict(summaries: Sequence[ValueSummary]) -> Verdict:
@@ -61,12 +66,20 @@ def verdict(summaries: Sequence[ValueSummary]) -> Verdict:
     counts = Counter(s.key for s in present)
     if not present:
         return Verdict(False, frozenset(missing), "not defined on any rank shown", "missing")
-    lacking = f"missing on rank{'s' if len(missing) > 1 else ''} {_ranks(missing)}" if missing else ""
+    lacking = (
+        f"missing on rank{'s' if len(missing) > 1 else ''} {_ranks(missing)}" if missing else ""
+    )
     # Before equality: shards that happen to hold equal numbers are still different parts.
     sharded = _sharding(summaries)
     if sharded is not None:
         words, ownership = sharded
-        return Verdict(False, frozenset(missing), "; ".join(filter(None, [words, lacking])), "sharded", ownership)
+        return Verdict(
+            False,
+            frozenset(missing),
+            "; ".join(filter(None, [words, lacking])),
+            "sharded",
+            ownership,
+        )
     if len(counts) == 1 and not missing:
         if len(summaries) == 1:
             return Verdict(True, frozenset(), "one rank shown")
@@ -74,7 +87,8 @@ def verdict(summaries: Sequence[ValueSummary]) -> Verdict:
     if len(counts) == 1:  # the ranks that have it agree; the others lack it
         have = [s.rank for s in present]
         words = (
-            f"defined on rank {have[0]} only; {lacking}" if len(have) == 1
+            f"defined on rank {have[0]} only; {lacking}"
+            if len(have) == 1
             else f"{lacking}; equal on the other {len(have)}"
         )
         return Verdict(False, frozenset(missing), words, "missing")
@@ -111,13 +125,19 @@ def _sharding(summaries: Sequence[ValueSummary]) -> tuple[str, Ownership | None]
     # Slices follow rank order (torch's chunk); the ranges hold when every rank is shown.
     if sorted(sizes) != list(range(len(summaries))) or sum(sizes.values()) != shape[dim]:
         return f"sharded along dim {dim} ({placements})", None
-    what = "rows" if dim == 0 and len(shape) == 2 else "columns" if dim == 1 and len(shape) == 2 else (
-        "elements" if len(shape) == 1 else f"dim {dim}"
+    what = (
+        "rows"
+        if dim == 0 and len(shape) == 2
+        else "columns"
+        if dim == 1 and len(shape) == 2
+        else ("elements" if len(shape) == 1 else f"dim {dim}")
     )
     spans, start = [], 0
     for rank in sorted(sizes):
         size = sizes[rank]
-        spans.append("none" if size == 0 else str(start) if size == 1 else f"{start}-{start + size - 1}")
+        spans.append(
+            "none" if size == 0 else str(start) if size == 1 else f"{start}-{start + size - 1}"
+        )
         start += size
     name = present[0].name
     return f"sharded: {what} {' | '.join(spans)}", from_shards(name, shape, dim, sizes)
@@ -217,7 +237,9 @@ def render_html(stages: Sequence[tuple[str, dict[str, list[ValueSummary]]]]) -> 
     return "".join(parts)
 
 
-def _name_html(label: str, name: str, summaries: list[ValueSummary], scale: tuple[float, float] | None) -> str:
+def _name_html(
+    label: str, name: str, summaries: list[ValueSummary], scale: tuple[float, float] | None
+) -> str:
     v = verdict(summaries)
     colour = _STATE_COLOURS[v.state]
     mark = _MARKS[v.state]
@@ -234,7 +256,12 @@ def _name_html(label: str, name: str, summaries: list[ValueSummary], scale: tupl
             f"the rank that holds it:</div>{v.ownership.picture()}{v.ownership.legend()}"
         )
     cards = "".join(
-        _card_html(s, s.rank in v.odd, scale, v.ownership.picture(s.rank) if v.ownership and s.present else "")
+        _card_html(
+            s,
+            s.rank in v.odd,
+            scale,
+            v.ownership.picture(s.rank) if v.ownership and s.present else "",
+        )
         for s in summaries
     )
     legend = _legend(scale) if scale is not None and any(s.grid for s in summaries) else ""
@@ -259,7 +286,9 @@ def _legend(scale: tuple[float, float]) -> str:
     )
 
 
-def _card_html(s: ValueSummary, odd: bool, scale: tuple[float, float] | None, owned: str = "") -> str:
+def _card_html(
+    s: ValueSummary, odd: bool, scale: tuple[float, float] | None, owned: str = ""
+) -> str:
     if not s.present:
         border = MISSING_COLOUR
     else:
@@ -271,7 +300,9 @@ def _card_html(s: ValueSummary, odd: bool, scale: tuple[float, float] | None, ow
     if not s.present:
         body = f'<div style="color: {MISSING_COLOUR}; font-weight: 600;">not defined</div><div>{html.escape(s.text)}</div>'
     elif s.kind == "tensor":
-        body = (f'<div style="opacity: 0.75;">its part of the whole:</div>{owned}' if owned else "") + _tensor_html(s, scale)
+        body = (
+            f'<div style="opacity: 0.75;">its part of the whole:</div>{owned}' if owned else ""
+        ) + _tensor_html(s, scale)
     else:
         body = (
             f'<div style="opacity: 0.7;">{html.escape(s.type_name)}</div>'
@@ -294,11 +325,15 @@ def _tensor_html(s: ValueSummary, scale: tuple[float, float] | None) -> str:
     elif s.grid:
         lines.append(_svg(s, scale))
         if s.grid_note:
-            lines.append(f'<div style="opacity: 0.65; font-size: 11px;">{html.escape(s.grid_note)}</div>')
+            lines.append(
+                f'<div style="opacity: 0.65; font-size: 11px;">{html.escape(s.grid_note)}</div>'
+            )
     if s.elements and s.shape != ():
         # The picture shows a matrix's values; its text stays short.
         limit = _SHOWN_ELEMENTS if len(s.shape) == 1 else _SHOWN_ELEMENTS // 2
-        shown = ", ".join(_short(e) for e in s.elements[:limit]) + (", …" if len(s.elements) > limit else "")
+        shown = ", ".join(_short(e) for e in s.elements[:limit]) + (
+            ", …" if len(s.elements) > limit else ""
+        )
         lines.append(f'<div style="{_MONO} word-break: break-all;">[{html.escape(shown)}]</div>')
     elif s.numel > _SHOWN_ELEMENTS:
         lines.append(f"<div>{s.numel:,} elements</div>")
@@ -315,7 +350,9 @@ def _short(element: str) -> str:
         return element
 
 
-def _scales(stages: Sequence[tuple[str, dict[str, list[ValueSummary]]]]) -> dict[str, tuple[float, float]]:
+def _scales(
+    stages: Sequence[tuple[str, dict[str, list[ValueSummary]]]],
+) -> dict[str, tuple[float, float]]:
     """One colour scale per name, over every rank and stage: equal values, equal colours."""
     found: dict[str, tuple[float, float]] = {}
     for _, names in stages:
@@ -380,7 +417,10 @@ def _svg(s: ValueSummary, scale: tuple[float, float] | None) -> str:
     w, h = cols * cell, rows * cell
     return _image(
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}">'
-        f'{"".join(rects)}</svg>', w, h, f"heatmap of {s.name} on rank {s.rank}",
+        f"{''.join(rects)}</svg>",
+        w,
+        h,
+        f"heatmap of {s.name} on rank {s.rank}",
         "border: 1px solid rgba(128,128,128,0.4);",
     )
 
@@ -403,7 +443,9 @@ def _bars(s: ValueSummary, scale: tuple[float, float]) -> str:
     low, high = min(scale[0], 0.0), max(scale[1], 0.0)
     span = (high - low) or 1.0
     zero = h - (0 - low) / span * h
-    items = [f'<line x1="0" x2="{n * width}" y1="{zero:.1f}" y2="{zero:.1f}" stroke="#888" stroke-width="0.5"/>']
+    items = [
+        f'<line x1="0" x2="{n * width}" y1="{zero:.1f}" y2="{zero:.1f}" stroke="#888" stroke-width="0.5"/>'
+    ]
     for i, x in enumerate(values):
         if math.isnan(x):
             top, bottom, fill = 0.0, float(h), NAN_COLOUR
@@ -419,5 +461,8 @@ def _bars(s: ValueSummary, scale: tuple[float, float]) -> str:
     w = n * width
     return _image(
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}">'
-        f'{"".join(items)}</svg>', w, h, f"bar chart of {s.name} on rank {s.rank}",
+        f"{''.join(items)}</svg>",
+        w,
+        h,
+        f"bar chart of {s.name} on rank {s.rank}",
     )

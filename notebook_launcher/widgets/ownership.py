@@ -18,7 +18,16 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 # Colour-blind-safe categorical colours (Okabe-Ito), one per rank, then repeated.
-RANK_COLOURS = ("#0072b2", "#e69f00", "#009e73", "#cc79a7", "#56b4e9", "#d55e00", "#f0e442", "#999999")
+RANK_COLOURS = (
+    "#0072b2",
+    "#e69f00",
+    "#009e73",
+    "#cc79a7",
+    "#56b4e9",
+    "#d55e00",
+    "#f0e442",
+    "#999999",
+)
 SEVERAL_COLOUR = "#6b6b6b"  # an element held by more than one rank (replicated, padded)
 NOBODY_COLOUR = "#ffffff"
 _MAX_ROWS = 16
@@ -36,16 +45,26 @@ class Ownership:
     ``holders`` is row-major: for each element of ``shape``, the ranks that hold it.
     """
 
-    def __init__(self, name: str, shape: Sequence[int], holders: Sequence[frozenset[int]], ranks: Sequence[int]) -> None:
+    def __init__(
+        self,
+        name: str,
+        shape: Sequence[int],
+        holders: Sequence[frozenset[int]],
+        ranks: Sequence[int],
+    ) -> None:
         self.name = name
         self.shape = tuple(int(d) for d in shape)
         if math.prod(self.shape) != len(holders):
-            raise ValueError(f"{name}: {len(holders)} owners given for shape {self.shape} ({math.prod(self.shape)} elements)")
+            raise ValueError(
+                f"{name}: {len(holders)} owners given for shape {self.shape} ({math.prod(self.shape)} elements)"
+            )
         self.holders = list(holders)
         self.ranks = sorted(ranks)
 
     @classmethod
-    def from_indices(cls, name: str, shape: int | Sequence[int], per_rank: Sequence[Iterable[int]]) -> Ownership:
+    def from_indices(
+        cls, name: str, shape: int | Sequence[int], per_rank: Sequence[Iterable[int]]
+    ) -> Ownership:
         """Rank ``r`` holds the elements ``per_rank[r]`` (flat, row-major indices), e.g. the
         sample indices a ``DistributedSampler`` gave each rank, gathered from the ranks."""
         dims = (shape,) if isinstance(shape, int) else tuple(shape)
@@ -69,7 +88,10 @@ class Ownership:
         shared = sum(len(h) > 1 for h in self.holders)
         unheld = sum(not h for h in self.holders)
         extra = "".join(
-            [f"; {shared} held by several ranks" if shared else "", f"; {unheld} held by none" if unheld else ""]
+            [
+                f"; {shared} held by several ranks" if shared else "",
+                f"; {unheld} held by none" if unheld else "",
+            ]
         )
         lines = [f"{self.name} {shape}: owned by rank{extra}"]
         lines += [f"  rank {r}: {self.words(r)}" for r in self.ranks]
@@ -99,7 +121,13 @@ class Ownership:
     def picture(self, highlight: int | None = None) -> str:
         """The whole tensor; with ``highlight``, that rank's elements full and outlined, the
         others faded."""
-        rows, cols = (1, self.shape[0]) if len(self.shape) == 1 else (math.prod(self.shape[:-1]), self.shape[-1]) if self.shape else (1, 1)
+        rows, cols = (
+            (1, self.shape[0])
+            if len(self.shape) == 1
+            else (math.prod(self.shape[:-1]), self.shape[-1])
+            if self.shape
+            else (1, 1)
+        )
         shown_rows, shown_cols = min(rows, _MAX_ROWS), min(cols, _MAX_COLS)
         cell = max(4, min(22, _WIDTH // shown_cols, 176 // shown_rows))
         label = cell >= 14
@@ -111,7 +139,11 @@ class Ownership:
                 holders = self.holders[index]
                 fill = _fill(holders)
                 mine = highlight is None or highlight in holders
-                stroke = ' stroke="#111" stroke-width="1.5"' if highlight is not None and mine else ' stroke="#fff" stroke-width="0.5"'
+                stroke = (
+                    ' stroke="#111" stroke-width="1.5"'
+                    if highlight is not None and mine
+                    else ' stroke="#fff" stroke-width="0.5"'
+                )
                 opacity = "" if mine else ' fill-opacity="0.18"'
                 items.append(
                     f'<rect x="{j * cell}" y="{i * cell}" width="{cell}" height="{cell}" fill="{fill}"{opacity}{stroke}/>'
@@ -126,7 +158,9 @@ class Ownership:
         who = f" with rank {highlight}'s part highlighted" if highlight is not None else ""
         return _image(
             f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}">{"".join(items)}</svg>',
-            w, h, f"ownership of {self.name}{who}",
+            w,
+            h,
+            f"ownership of {self.name}{who}",
         )
 
     def legend(self) -> str:
@@ -135,11 +169,15 @@ class Ownership:
             keys.append((SEVERAL_COLOUR, "several ranks (*)"))
         if any(not h for h in self.holders):
             keys.append((NOBODY_COLOUR, "no rank"))
-        return '<div class="nl-legend" style="margin: 2px 0 6px 0;">' + "".join(
-            f'<span style="display: inline-block; width: 10px; height: 10px; background: {c}; '
-            f'border: 1px solid #999; margin: 0 3px 0 8px; vertical-align: middle;"></span>{html.escape(t)}'
-            for c, t in keys
-        ) + "</div>"
+        return (
+            '<div class="nl-legend" style="margin: 2px 0 6px 0;">'
+            + "".join(
+                f'<span style="display: inline-block; width: 10px; height: 10px; background: {c}; '
+                f'border: 1px solid #999; margin: 0 3px 0 8px; vertical-align: middle;"></span>{html.escape(t)}'
+                for c, t in keys
+            )
+            + "</div>"
+        )
 
 
 def from_shards(name: str, shape: Sequence[int], dim: int, sizes: Mapping[int, int]) -> Ownership:

@@ -29,7 +29,10 @@ class _Unset:
 UNSET: Any = _Unset()
 AUTO = 0  # the dropdown's value for "let the launcher decide" (None would show as no choice)
 PRECISION_LABELS = {"no": "no (fp32)", "fp16": "fp16", "bf16": "bf16", "fp8": "fp8"}
-_SOURCE_WORDS = {launch_defaults.KERNEL: "chosen in this kernel", launch_defaults.FILE: "from the saved defaults"}
+_SOURCE_WORDS = {
+    launch_defaults.KERNEL: "chosen in this kernel",
+    launch_defaults.FILE: "from the saved defaults",
+}
 
 
 def configure(
@@ -63,7 +66,9 @@ def configure(
     return apply_choice(given, detect_hardware(), save=save)
 
 
-def apply_choice(given: dict[str, Any], report: HardwareReport, save: bool = False) -> LaunchDefaults:
+def apply_choice(
+    given: dict[str, Any], report: HardwareReport, save: bool = False
+) -> LaunchDefaults:
     """Check ``given`` against the rules and this machine, then make it this kernel's choice."""
     current = launch_defaults.kernel_defaults() or LaunchDefaults()
     try:
@@ -82,7 +87,9 @@ def apply_choice(given: dict[str, Any], report: HardwareReport, save: bool = Fal
 def hardware_html(report: HardwareReport) -> str:
     items = [f"<b>CPU</b>: {report.cpu_count} core{'s' if report.cpu_count != 1 else ''}"]
     for gpu in report.gpus:
-        capability = f", compute capability {gpu.compute_capability}" if gpu.compute_capability else ""
+        capability = (
+            f", compute capability {gpu.compute_capability}" if gpu.compute_capability else ""
+        )
         items.append(
             f"<b>GPU {gpu.index}</b>: {html.escape(gpu.name)}, {gpu.memory_mib / 1024:.0f} GiB{capability}"
         )
@@ -123,12 +130,16 @@ class ConfigurePanel:
         self.reasons = w.HTML(self._reasons_html())
         note = w.HTML(
             '<span style="opacity: 0.7; font-size: 12px; margin-left: 8px;">'
-            f'{html.escape(self.choices["num_processes"]["note"])}</span>'
+            f"{html.escape(self.choices['num_processes']['note'])}</span>"
         )
         self.summary = w.HTML()
         self.status = w.HTML()
-        self.save_button = w.Button(description="Save as default", icon="save", tooltip=str(launch_defaults.defaults_path()))
-        self.reset_button = w.Button(description="Reset", icon="undo", tooltip="Forget this kernel's choices")
+        self.save_button = w.Button(
+            description="Save as default", icon="save", tooltip=str(launch_defaults.defaults_path())
+        )
+        self.reset_button = w.Button(
+            description="Reset", icon="undo", tooltip="Forget this kernel's choices"
+        )
         self.save_button.on_click(lambda _: self._save())
         self.reset_button.on_click(lambda _: self._reset())
         self._resetting = False
@@ -153,7 +164,9 @@ class ConfigurePanel:
         limit = self.choices["num_processes"]["max"]
         default = self.choices["num_processes"]["default"]
         options = [(f"auto ({default})", AUTO)]
-        return options + [(str(n), n) for n in range(self.choices["num_processes"]["min"], limit + 1)]
+        return options + [
+            (str(n), n) for n in range(self.choices["num_processes"]["min"], limit + 1)
+        ]
 
     def _option_buttons(self, key: str, labels: dict[str, str]) -> dict[str, Any]:
         w = self._w
@@ -231,7 +244,11 @@ class ConfigurePanel:
         )
         self.summary.value = (
             f"Next <code>notebook_launcher()</code> call: <b>{html.escape(description)}</b>"
-            + (f'<br><span style="opacity: 0.7; font-size: 12px;">{html.escape(sources)}</span>' if sources else "")
+            + (
+                f'<br><span style="opacity: 0.7; font-size: 12px;">{html.escape(sources)}</span>'
+                if sources
+                else ""
+            )
         )
 
 

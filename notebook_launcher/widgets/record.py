@@ -330,7 +330,9 @@ class DashboardRecord:
         row = self.rows.get(rank) or self._row(rank)
         if row.state == "starting":
             row.state = "running"
-        curves = [self._by_raw.get((name, rank)) or self._new_curve(name, rank) for name in batch.columns]
+        curves = [
+            self._by_raw.get((name, rank)) or self._new_curve(name, rank) for name in batch.columns
+        ]
         kept = [curve for curve in curves if curve is not None]
         if len(set(map(id, kept))) < len(kept):
             # Names shown alike share a curve, whose points must keep the calls' order.
@@ -373,7 +375,10 @@ class DashboardRecord:
         if shown is None:
             if len(self._names) >= METRICS_KEPT:
                 missed = _metric_name(name)
-                if len(self.names_not_kept) < _NAMES_NOT_KEPT_SHOWN and missed not in self.names_not_kept:
+                if (
+                    len(self.names_not_kept) < _NAMES_NOT_KEPT_SHOWN
+                    and missed not in self.names_not_kept
+                ):
                     self.names_not_kept.append(missed)
                 return None
             shown = self._names[name] = _metric_name(name)

@@ -29,7 +29,9 @@ _TRACEBACK_LINES = 60
 _CELL = ' style="padding: 2px 10px 2px 0; text-align: left; vertical-align: top;"'
 
 
-def record_html(record: DashboardRecord, drawn: Drawn | None, plot_problem: str | None = None) -> str:
+def record_html(
+    record: DashboardRecord, drawn: Drawn | None, plot_problem: str | None = None
+) -> str:
     now = record.now()
     ok = record.outcome == "ok"
     mark = (
@@ -41,7 +43,16 @@ def record_html(record: DashboardRecord, drawn: Drawn | None, plot_problem: str 
     ]
     if record.notice:
         parts.append(f"<p>{html.escape(shorten(record.notice, _ERROR_CHARS))}</p>")
-    titles = ("rank", "state", "elapsed", "error / last line", "progress", "metrics", "peak memory", "device")
+    titles = (
+        "rank",
+        "state",
+        "elapsed",
+        "error / last line",
+        "progress",
+        "metrics",
+        "peak memory",
+        "device",
+    )
     head = "".join(f"<th{_CELL}>{t}</th>" for t in titles)
     rows = []
     for rank in sorted(record.rows):

@@ -34,15 +34,26 @@ BEYOND_ACCELERATE = frozenset(
 # Of those, the cases where accelerate's ranks hang (uneven DDP steps): what they would
 # show after the full wait, they show after a short one.
 THEY_HANG = frozenset(
-    {"test_distributed_data_loop:test_can_join_uneven_inputs()", "test_distributed_data_loop:main()"}
+    {
+        "test_distributed_data_loop:test_can_join_uneven_inputs()",
+        "test_distributed_data_loop:main()",
+    }
 )
 THEIR_HANG_TIMEOUT = 30.0
 # Per script, the names the "ours" variant imports from notebook_launcher.accelerator.
 OURS: dict[str, frozenset[str]] = {
     "test_sync": frozenset(
-        {"Accelerator", "DataLoaderConfiguration", "GradientAccumulationPlugin", "DistributedType", "set_seed"}
+        {
+            "Accelerator",
+            "DataLoaderConfiguration",
+            "GradientAccumulationPlugin",
+            "DistributedType",
+            "set_seed",
+        }
     ),
-    "test_script": frozenset({"Accelerator", "DataLoaderConfiguration", "DistributedType", "set_seed"}),
+    "test_script": frozenset(
+        {"Accelerator", "DataLoaderConfiguration", "DistributedType", "set_seed"}
+    ),
     "test_ops": frozenset(
         {
             "PartialState",
@@ -56,7 +67,9 @@ OURS: dict[str, frozenset[str]] = {
             "reduce",
         }
     ),
-    "test_distributed_data_loop": frozenset({"Accelerator", "DataLoaderConfiguration", "DistributedType"}),
+    "test_distributed_data_loop": frozenset(
+        {"Accelerator", "DataLoaderConfiguration", "DistributedType"}
+    ),
 }
 SCRIPTS = tuple(OURS)
 # What each case runs after, as the script's main() does first (statements, in the variant).
@@ -115,7 +128,9 @@ def rewrite_imports(source: str, ours: frozenset[str]) -> tuple[str, set[str]]:
         new = []
         if theirs:
             new.append(f"from {node.module} import {', '.join(map(_alias, theirs))}\n")
-        new.append(f"from notebook_launcher.accelerator import {', '.join(map(_alias, redirect))}\n")
+        new.append(
+            f"from notebook_launcher.accelerator import {', '.join(map(_alias, redirect))}\n"
+        )
         lines[node.lineno - 1 : node.end_lineno] = new
         redirected.update(a.name for a in redirect)
     return "".join(lines), redirected
@@ -275,6 +290,8 @@ def run_case(path: str, call: str, setup: str = "Accelerator()") -> None:
     exec(setup, namespace)
     accelerate.Accelerator()
     exec(call, namespace)
+
+
 @dataclasses.dataclass
 class Outcome:
     case: str

@@ -29,7 +29,9 @@ def families() -> dict[str, Any]:
 
     def gpt2() -> torch.nn.Module:
         torch.manual_seed(0)
-        return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4))
+        return GPT2LMHeadModel(
+            GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+        )
 
     def bert() -> torch.nn.Module:
         torch.manual_seed(0)
@@ -44,7 +46,9 @@ def families() -> dict[str, Any]:
 def _units(model: torch.nn.Module) -> list[str]:
     from torch.distributed.fsdp import FSDPModule
 
-    return [type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    return [
+        type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule) and m is not model
+    ]
 
 
 def _batch(rank: int) -> dict[str, torch.Tensor]:
@@ -115,11 +119,14 @@ def lora_on_sharded_base(out_dir: str, rank: int) -> dict[str, Any]:
     return {
         "units": _units(model),
         "frozen_sharded": bool(frozen) and all(isinstance(p, DTensor) for p in frozen),
-        "frozen_local_fraction": sum(p.to_local().numel() for p in frozen) / sum(p.numel() for p in frozen),
+        "frozen_local_fraction": sum(p.to_local().numel() for p in frozen)
+        / sum(p.numel() for p in frozen),
         "trainable_count": len(trainable),
         "losses": losses,
-        "base_unchanged": rank != 0 or all(torch.equal(full[k], v) for k, v in before.items() if "lora_" not in k),
-        "lora_changed": rank != 0 or any(not torch.equal(full[k], v) for k, v in before.items() if "lora_B" in k),
+        "base_unchanged": rank != 0
+        or all(torch.equal(full[k], v) for k, v in before.items() if "lora_" not in k),
+        "lora_changed": rank != 0
+        or any(not torch.equal(full[k], v) for k, v in before.items() if "lora_B" in k),
         "saved_files": sorted(os.listdir(saved)),
         "adapter_reload_diff": loaded_diff,
     }

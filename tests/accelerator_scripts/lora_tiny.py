@@ -133,15 +133,22 @@ def _save_and_reload(accelerator: Any, model: torch.nn.Module, out_dir: str) -> 
         unwrapped.save_pretrained(pretrained)
         from safetensors.torch import load_file
 
-        found["files"] = {d: sorted(os.listdir(os.path.join(out_dir, d))) for d in ("save_model", "save_pretrained")}
+        found["files"] = {
+            d: sorted(os.listdir(os.path.join(out_dir, d)))
+            for d in ("save_model", "save_pretrained")
+        }
         found["saved_keys"] = sorted(load_file(os.path.join(saved, "adapter_model.safetensors")))
         unwrapped.eval()
         with torch.no_grad():
             expected = unwrapped(input_ids=probe()).logits
             loaded = PeftModel.from_pretrained(base_model(seed=0), saved).eval()
-            found["loaded_logits_diff"] = (loaded(input_ids=probe()).logits - expected).abs().max().item()
+            found["loaded_logits_diff"] = (
+                (loaded(input_ids=probe()).logits - expected).abs().max().item()
+            )
             merged = loaded.merge_and_unload().eval()
-            found["merged_logits_diff"] = (merged(input_ids=probe()).logits - expected).abs().max().item()
+            found["merged_logits_diff"] = (
+                (merged(input_ids=probe()).logits - expected).abs().max().item()
+            )
             found["merged_is_plain"] = type(merged).__name__
             untrained = base_model(seed=0).eval()(input_ids=probe()).logits
             found["training_changed_logits"] = (untrained - expected).abs().max().item()

@@ -12,7 +12,9 @@ import torch
 
 WORDS = ["the", "cat", "dog", "sat", "ran", "on", "a", "mat", "rug", "fast", "slow", "and"]
 SAMPLES = 32
-NAMES = [f"n{i}" for i in range(SAMPLES)]  # sentence i starts with word n<i>: ranks tell what they saw
+NAMES = [
+    f"n{i}" for i in range(SAMPLES)
+]  # sentence i starts with word n<i>: ranks tell what they saw
 
 
 def tokenizer() -> Any:
@@ -24,14 +26,20 @@ def tokenizer() -> Any:
     raw = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(
-        tokenizer_object=raw, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+        tokenizer_object=raw,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
     )
 
 
 def sentences() -> list[str]:
     generator = torch.Generator().manual_seed(3)
     picks = torch.randint(0, len(WORDS), (SAMPLES, 6), generator=generator)
-    return [f"{NAMES[i]} " + " ".join(WORDS[j] for j in row) for i, row in enumerate(picks.tolist())]
+    return [
+        f"{NAMES[i]} " + " ".join(WORDS[j] for j in row) for i, row in enumerate(picks.tolist())
+    ]
 
 
 def llama(vocab: int) -> torch.nn.Module:
@@ -49,7 +57,13 @@ def llama(vocab: int) -> torch.nn.Module:
 def lora() -> Any:
     from peft import LoraConfig
 
-    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "v_proj"],
+        task_type="CAUSAL_LM",
+    )
 
 
 def _adapter(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -91,7 +105,9 @@ def sft(output_dir: str) -> dict[str, Any]:
 class Sequences(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def __init__(self) -> None:
         tok = tokenizer()
-        self.ids = torch.tensor([tok(s, padding="max_length", max_length=10)["input_ids"][:10] for s in sentences()])
+        self.ids = torch.tensor(
+            [tok(s, padding="max_length", max_length=10)["input_ids"][:10] for s in sentences()]
+        )
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -28,13 +28,44 @@ from notebook_launcher import cli
 
 transformers.logging.set_verbosity_error()
 CASES = {
-    "gpt2": (GPT2Config(n_embd=32, n_layer=3, n_head=2, vocab_size=99, n_positions=64,
-                        bos_token_id=1, eos_token_id=2), GPT2LMHeadModel),
-    "llama": (LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-                          num_key_value_heads=1, vocab_size=99, max_position_embeddings=64,
-                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2), LlamaForCausalLM),
-    "bert": (BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-                        vocab_size=99, max_position_embeddings=64), BertForMaskedLM),
+    "gpt2": (
+        GPT2Config(
+            n_embd=32,
+            n_layer=3,
+            n_head=2,
+            vocab_size=99,
+            n_positions=64,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        GPT2LMHeadModel,
+    ),
+    "llama": (
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=99,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        LlamaForCausalLM,
+    ),
+    "bert": (
+        BertConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            vocab_size=99,
+            max_position_embeddings=64,
+        ),
+        BertForMaskedLM,
+    ),
 }
 
 
@@ -49,21 +80,31 @@ def one_model(name: str, root: str) -> dict[str, object]:
         expected = whole(ids).logits
     with bm.init_empty_weights():
         model = cls(config).eval()
-    bm.load_checkpoint_and_dispatch(model, folder, device_map="auto", max_memory={"cpu": "60KB"},
-                                    offload_folder=os.path.join(root, name + "-offload"))
+    bm.load_checkpoint_and_dispatch(
+        model,
+        folder,
+        device_map="auto",
+        max_memory={"cpu": "60KB"},
+        offload_folder=os.path.join(root, name + "-offload"),
+    )
     with torch.no_grad():
         got = model(ids).logits
     result: dict[str, object] = {
         "shards": len([f for f in os.listdir(folder) if f.endswith(".safetensors")]),
         "devices": sorted(set(model.hf_device_map.values())),
         "logits_equal": bool(torch.equal(got, expected)),
-        "meta_left": [n for n, p in model.named_parameters() if p.device.type == "meta"
-                      and model.hf_device_map.get(n.split(".")[0]) == "cpu"],
+        "meta_left": [
+            n
+            for n, p in model.named_parameters()
+            if p.device.type == "meta" and model.hf_device_map.get(n.split(".")[0]) == "cpu"
+        ],
     }
     if hasattr(model, "lm_head"):
         result["tied"] = model.lm_head.weight is model.get_input_embeddings().weight
         kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
-        result["generate_equal"] = bool(torch.equal(whole.generate(ids, **kwargs), model.generate(ids, **kwargs)))
+        result["generate_equal"] = bool(
+            torch.equal(whole.generate(ids, **kwargs), model.generate(ids, **kwargs))
+        )
     return result
 
 
@@ -83,9 +124,18 @@ def estimate_against_autograd() -> dict[str, object]:
     ids = torch.randint(3, 99, (4, 16))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         output = model(ids, labels=ids)
-    measured = sum(storages.values()) + output.logits.untyped_storage().nbytes() + output.loss.untyped_storage().nbytes()
-    return {"estimated": estimate.activations, "measured": measured, "method": estimate.activations_method,
-            "parameters": estimate.parameters, "expected_parameters": 4 * sum(p.numel() for p in model.parameters())}
+    measured = (
+        sum(storages.values())
+        + output.logits.untyped_storage().nbytes()
+        + output.loss.untyped_storage().nbytes()
+    )
+    return {
+        "estimated": estimate.activations,
+        "measured": measured,
+        "method": estimate.activations_method,
+        "parameters": estimate.parameters,
+        "expected_parameters": 4 * sum(p.numel() for p in model.parameters()),
+    }
 
 
 def command(root: str) -> dict[str, object]:
@@ -93,13 +143,37 @@ def command(root: str) -> dict[str, object]:
     CASES["llama"][0].to_json_file(path)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = cli.main(["estimate-memory", path, "--dtype", "bf16", "--batch-size", "2", "--sequence-length",
-                         "32", "--lora-rank", "4", "--lora-target-modules", "q_proj", "v_proj",
-                         "--world-size", "2", "--sharding", "fsdp", "--json"])
+        code = cli.main(
+            [
+                "estimate-memory",
+                path,
+                "--dtype",
+                "bf16",
+                "--batch-size",
+                "2",
+                "--sequence-length",
+                "32",
+                "--lora-rank",
+                "4",
+                "--lora-target-modules",
+                "q_proj",
+                "v_proj",
+                "--world-size",
+                "2",
+                "--sharding",
+                "fsdp",
+                "--json",
+            ]
+        )
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         bad = cli.main(["estimate-memory", os.path.join(root, "missing.json")])
-    return {"code": code, "json": json.loads(out.getvalue()), "bad_code": bad, "bad_err": err.getvalue()}
+    return {
+        "code": code,
+        "json": json.loads(out.getvalue()),
+        "bad_code": bad,
+        "bad_err": err.getvalue(),
+    }
 
 
 def main() -> None:

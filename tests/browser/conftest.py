@@ -48,9 +48,7 @@ BUILT = Path(notebook_launcher.__file__).parent / "labextension"
 # Where each frontend opens a notebook (a path relative to the server's root).
 FRONTENDS = {"jupyterlab": "lab/tree/{path}?reset&token={token}",
              "notebook7": "notebooks/{path}?token={token}"}  # fmt: skip
-KERNEL_IDLE = (
-    "() => window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel?.status === 'idle'"
-)
+KERNEL_IDLE = "() => window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel?.status === 'idle'"
 
 
 def missing(what: str) -> None:
@@ -71,7 +69,9 @@ class JupyterServer:
         return f"{self.url}{path}?reset&token={self.token}"
 
     def kernels(self) -> list[dict]:
-        with urllib.request.urlopen(f"{self.url}api/kernels?token={self.token}", timeout=10) as reply:
+        with urllib.request.urlopen(
+            f"{self.url}api/kernels?token={self.token}", timeout=10
+        ) as reply:
             return json.loads(reply.read())
 
     def shut_down_kernels(self) -> None:
@@ -103,21 +103,27 @@ class App:
         return self.server.root_dir / self.folder
 
     def notebook_url(self, notebook: str) -> str:
-        return self.url + FRONTENDS[self.name].format(path=f"{self.folder}/{notebook}", token=self.token)
+        return self.url + FRONTENDS[self.name].format(
+            path=f"{self.folder}/{notebook}", token=self.token
+        )
 
 
 def _wait_until_up(url: str, token: str, process: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            pytest.fail(f"the Jupyter server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+            pytest.fail(
+                f"the Jupyter server exited with {process.returncode}:\n{log.read_text()[-3000:]}"
+            )
         try:
             with urllib.request.urlopen(f"{url}api/status?token={token}", timeout=2) as response:
                 if response.status == 200:
                     return
         except OSError:
             time.sleep(0.3)
-    pytest.fail(f"the Jupyter server did not answer at {url} within 180 s:\n{log.read_text()[-3000:]}")
+    pytest.fail(
+        f"the Jupyter server did not answer at {url} within 180 s:\n{log.read_text()[-3000:]}"
+    )
 
 
 @pytest.fixture(scope="package")
@@ -125,9 +131,20 @@ def jupyter_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Jupyter
     if not CHROMIUM.exists():
         missing(f"{CHROMIUM} is missing: apt-get install -y chromium")
     if not (BUILT / "package.json").exists():
-        missing(f"the lab extension is not built ({BUILT}): run `jlpm install && jlpm build:prod` in extension/")
+        missing(
+            f"the lab extension is not built ({BUILT}): run `jlpm install && jlpm build:prod` in extension/"
+        )
     base = tmp_path_factory.mktemp("jupyter")
-    names = ("root", "config", "data", "runtime", "share", "settings", "user-settings", "workspaces")
+    names = (
+        "root",
+        "config",
+        "data",
+        "runtime",
+        "share",
+        "settings",
+        "user-settings",
+        "workspaces",
+    )
     dirs = {name: base / name for name in names}
     for path in dirs.values():
         path.mkdir()
@@ -192,7 +209,9 @@ def module_folder(jupyter_server: JupyterServer, request: pytest.FixtureRequest)
 
 
 @pytest.fixture(scope="module", params=sorted(FRONTENDS))
-def app(jupyter_server: JupyterServer, module_folder: str, request: pytest.FixtureRequest) -> Iterator[App]:
+def app(
+    jupyter_server: JupyterServer, module_folder: str, request: pytest.FixtureRequest
+) -> Iterator[App]:
     """Each frontend in turn, in a folder of its own; its kernels are shut down after it."""
     folder = f"{module_folder}/{request.param}"
     (jupyter_server.root_dir / folder).mkdir(parents=True, exist_ok=True)

@@ -54,7 +54,9 @@ def _open_sidebar(page: object, lab: JupyterServer, path: str = "lab") -> object
     return sidebar
 
 
-def test_sidebar_shows_hardware_and_saves_the_chosen_defaults(page: object, lab: JupyterServer) -> None:
+def test_sidebar_shows_hardware_and_saves_the_chosen_defaults(
+    page: object, lab: JupyterServer
+) -> None:
     from playwright.sync_api import expect
 
     path = lab.config_dir / "notebook_launcher" / "defaults.json"
@@ -132,7 +134,9 @@ def _wait_for_idle_kernel(page: object) -> None:
 
 def _run_notebook_in_lab(page: object, lab: JupyterServer, name: str, *sources: str) -> object:
     """Open a notebook of these cells next to the sidebar and start running it (without waiting)."""
-    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in sources])
+    notebook = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell(source) for source in sources]
+    )
     notebook.metadata["kernelspec"] = {
         "name": "python3",
         "display_name": "Python 3",
@@ -157,7 +161,9 @@ def _save_defaults_through_the_server(lab: JupyterServer, chosen: dict[str, obje
         assert response.status == 200
 
 
-def test_a_running_launch_is_listed_and_stopped_from_the_sidebar(page: object, lab: JupyterServer) -> None:
+def test_a_running_launch_is_listed_and_stopped_from_the_sidebar(
+    page: object, lab: JupyterServer
+) -> None:
     from playwright.sync_api import expect
 
     source = LAUNCH_CELL.format(
@@ -200,7 +206,10 @@ def test_the_sidebar_says_where_each_rank_of_a_session_is(page: object, lab: Jup
         expect(output.last).to_contain_text("[rank1]: napping", timeout=60_000)
         row.get_by_role("button", name=re.compile("Where are the ranks")).click()
         expect(ranks).to_have_text(
-            [re.compile(r"rank 0: cell \d+, line 4, in time\.sleep"), "rank 1: idle, waiting for the next cell"],
+            [
+                re.compile(r"rank 0: cell \d+, line 4, in time\.sleep"),
+                "rank 1: idle, waiting for the next cell",
+            ],
             timeout=30_000,
         )
         where = ranks.first.inner_text()
@@ -213,10 +222,15 @@ def test_the_sidebar_says_where_each_rank_of_a_session_is(page: object, lab: Jup
     # The cell named is the one the notebook numbers so, now that it has ended.
     prompt = page.locator(".jp-Cell .jp-InputPrompt").nth(1)  # type: ignore[attr-defined]
     expect(prompt).not_to_have_text("[*]:", timeout=30_000)
-    assert where.startswith(f"rank 0: cell {prompt.inner_text().strip()[1:-2]}, "), (where, prompt.inner_text())
+    assert where.startswith(f"rank 0: cell {prompt.inner_text().strip()[1:-2]}, "), (
+        where,
+        prompt.inner_text(),
+    )
 
 
-def test_a_launch_without_arguments_uses_the_saved_defaults(page: object, lab: JupyterServer) -> None:
+def test_a_launch_without_arguments_uses_the_saved_defaults(
+    page: object, lab: JupyterServer
+) -> None:
     from playwright.sync_api import expect
 
     _save_defaults_through_the_server(
@@ -268,7 +282,9 @@ def test_server_errors_are_shown_in_the_sidebar(page: object, lab: JupyterServer
     screenshot(page, "sidebar-5-error")
 
 
-def test_the_sidebar_follows_defaults_saved_by_configure_without_a_reload(page: object, lab: JupyterServer) -> None:
+def test_the_sidebar_follows_defaults_saved_by_configure_without_a_reload(
+    page: object, lab: JupyterServer
+) -> None:
     from playwright.sync_api import expect
 
     sidebar = _run_notebook_in_lab(

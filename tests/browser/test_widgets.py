@@ -39,7 +39,9 @@ def page(browser: object, app: App) -> Iterator[object]:
     context.close()
 
 
-def test_the_panel_renders_and_disables_an_impossible_choice_with_its_reason(page: object, app: App) -> None:
+def test_the_panel_renders_and_disables_an_impossible_choice_with_its_reason(
+    page: object, app: App
+) -> None:
     from playwright.sync_api import expect
 
     panel = page.locator(PANEL)  # type: ignore[attr-defined]
@@ -47,14 +49,20 @@ def test_the_panel_renders_and_disables_an_impossible_choice_with_its_reason(pag
     expect(panel).to_contain_text("CPU")
     fp8 = panel.get_by_role("button", name="fp8", exact=True)
     expect(fp8).to_be_disabled()
-    expect(fp8).to_have_attribute("title", "fp8 needs a Hopper-class NVIDIA GPU; this machine runs ranks on CPU")
+    expect(fp8).to_have_attribute(
+        "title", "fp8 needs a Hopper-class NVIDIA GPU; this machine runs ranks on CPU"
+    )
     expect(panel.get_by_role("button", name="bf16", exact=True)).to_be_enabled()
-    expect(panel).to_contain_text("fp8 is unavailable: fp8 needs a Hopper-class NVIDIA GPU; this machine runs ranks on CPU")
+    expect(panel).to_contain_text(
+        "fp8 is unavailable: fp8 needs a Hopper-class NVIDIA GPU; this machine runs ranks on CPU"
+    )
     expect(panel).to_contain_text("Next notebook_launcher() call:")
     screenshot(panel, f"widgets-{app.name}-configure")
 
 
-def test_the_dashboard_ends_as_a_record_with_every_rank_done_and_the_loss_plot(page: object, app: App) -> None:
+def test_the_dashboard_ends_as_a_record_with_every_rank_done_and_the_loss_plot(
+    page: object, app: App
+) -> None:
     from playwright.sync_api import expect
 
     record = page.locator(RECORD).first  # type: ignore[attr-defined]
@@ -72,10 +80,16 @@ def test_the_dashboard_ends_as_a_record_with_every_rank_done_and_the_loss_plot(p
     # The widgets gave way to the record: nothing is left to say "model not found".
     assert page.get_by_text("Error displaying widget").count() == 0  # type: ignore[attr-defined]
     # The raw output of each rank is in the cell's own lines.
-    expect(page.locator(".jp-OutputArea-output").filter(has_text="[rank1]: rank 1 epoch 4: last batch loss")).to_have_count(1)  # type: ignore[attr-defined]
+    expect(
+        page.locator(".jp-OutputArea-output").filter(
+            has_text="[rank1]: rank 1 epoch 4: last batch loss"
+        )
+    ).to_have_count(1)  # type: ignore[attr-defined]
 
 
-def test_a_failing_rank_stays_highlighted_with_its_error_inside_the_output_area(page: object, app: App) -> None:
+def test_a_failing_rank_stays_highlighted_with_its_error_inside_the_output_area(
+    page: object, app: App
+) -> None:
     from playwright.sync_api import expect
 
     failed = page.locator(f"{RECORD} tr.nl-failed")  # type: ignore[attr-defined]
@@ -90,4 +104,7 @@ def test_a_failing_rank_stays_highlighted_with_its_error_inside_the_output_area(
 
 def inside(box: dict | None, area: dict | None) -> None:
     assert box is not None and area is not None
-    assert box["x"] >= area["x"] and box["x"] + box["width"] <= area["x"] + area["width"] + 1, (box, area)
+    assert box["x"] >= area["x"] and box["x"] + box["width"] <= area["x"] + area["width"] + 1, (
+        box,
+        area,
+    )

@@ -79,9 +79,16 @@ if __name__ == "__main__":
     try:
         batches = notebook_launcher(read_flaky_data, hardware="tpu")
     except RankFailedError as error:
-        print("data error:", json.dumps({"type": type(error).__name__,
-                                          "is ValueError": isinstance(error, ValueError),
-                                          "message": str(error)}))
+        print(
+            "data error:",
+            json.dumps(
+                {
+                    "type": type(error).__name__,
+                    "is ValueError": isinstance(error, ValueError),
+                    "message": str(error),
+                }
+            ),
+        )
     else:
         print("data error:", json.dumps({"returned": batches}))
     try:

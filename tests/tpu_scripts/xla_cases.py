@@ -70,8 +70,12 @@ def exchange_objects() -> dict[str, Any]:
     xla.broadcast_module(model)  # replica 0 keeps its own weights
     kept = bool(torch.equal(model.weight.detach().cpu(), before))
     return {
-        "gathered": repr(gathered), "sent": repr(sent), "reduced": reduced, "broadcast kept": kept,
-        "tensor in an object": [str(on_device.device), on_device.tolist()], "refused": refused,
+        "gathered": repr(gathered),
+        "sent": repr(sent),
+        "reduced": reduced,
+        "broadcast kept": kept,
+        "tensor in an object": [str(on_device.device), on_device.tolist()],
+        "refused": refused,
     }
 
 
@@ -112,12 +116,21 @@ def collectives() -> dict[str, Any]:
     acc = Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
     rank = acc.process_index
     mine = torch.tensor([float(rank + 1)], device=acc.device)
-    reduced = {kind: acc.reduce(mine, kind).cpu().tolist() for kind in ("sum", "mean", "max", "min")}
-    objects = acc.gather_for_metrics([np.float64(rank), Score(f"r{rank}", rank)], use_gather_object=True)
+    reduced = {
+        kind: acc.reduce(mine, kind).cpu().tolist() for kind in ("sum", "mean", "max", "min")
+    }
+    objects = acc.gather_for_metrics(
+        [np.float64(rank), Score(f"r{rank}", rank)], use_gather_object=True
+    )
     sent = operations.broadcast_object_list([Score(f"from {rank}", rank)], from_process=1)
     loader = acc.prepare(DataLoader(list(range(16)), batch_size=2, collate_fn=as_scores))
     dispatched = [score.name for batch in loader for score in batch]
-    return {"reduced": reduced, "objects": repr(objects), "sent": repr(sent), "dispatched": dispatched}
+    return {
+        "reduced": reduced,
+        "objects": repr(objects),
+        "sent": repr(sent),
+        "dispatched": dispatched,
+    }
 
 
 def dispatched_samples() -> list[str]:

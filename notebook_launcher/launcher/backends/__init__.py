@@ -31,8 +31,18 @@ from notebook_launcher.launcher import options
 from notebook_launcher.launcher.backends.base import Backend, BackendOption
 from notebook_launcher.launcher.plan_types import LaunchCall
 
-__all__ = ["Backend", "BackendOption", "check_options", "check_supports", "lookup", "names",
-           "register", "registered", "resolve", "unregister"]
+__all__ = [
+    "Backend",
+    "BackendOption",
+    "check_options",
+    "check_supports",
+    "lookup",
+    "names",
+    "register",
+    "registered",
+    "resolve",
+    "unregister",
+]
 
 BUILT_IN = (
     ("local", "notebook_launcher.launcher.backends.local"),
@@ -152,11 +162,14 @@ def _load() -> None:
             loaded = entry.load()
             _add(loaded() if isinstance(loaded, type) else loaded, replace=False)
         except Exception as error:
-            _unavailable.setdefault(entry.name, (
-                f"the backend {entry.name!r} that the package {_distribution(entry)} adds "
-                f"(entry point {entry.value!r}) could not be loaded: {type(error).__name__}: "
-                f"{error}. Reinstall that package, or pass another backend."
-            ))
+            _unavailable.setdefault(
+                entry.name,
+                (
+                    f"the backend {entry.name!r} that the package {_distribution(entry)} adds "
+                    f"(entry point {entry.value!r}) could not be loaded: {type(error).__name__}: "
+                    f"{error}. Reinstall that package, or pass another backend."
+                ),
+            )
 
 
 def _add(backend: Backend, *, replace: bool) -> None:

@@ -25,7 +25,12 @@ if TYPE_CHECKING:
     from notebook_launcher.launcher.rank import RankSpec
 
 # Modules the forkserver imports once, so each later rank starts in milliseconds.
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "notebook_launcher.launcher.rank"]
+FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "cloudpickle",
+    "notebook_launcher.launcher.rank",
+]
 _ABANDON_WAIT_S = 2.0  # a rank started before a later one failed to start: time to end
 
 

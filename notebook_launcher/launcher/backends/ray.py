@@ -89,15 +89,15 @@ class RankHost:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         channel_r, channel_w = multiprocessing.Pipe(duplex=False)
-        ends = RankEnds(Connection(out_w, readable=False), Connection(err_w, readable=False), channel_w)
+        ends = RankEnds(
+            Connection(out_w, readable=False), Connection(err_w, readable=False), channel_w
+        )
         self._process = multiprocessing.get_context("fork").Process(
             target=target, args=(spec, payload, ends), name=f"notebook_launcher-rank{spec.rank}"
         )
         self._process.start()
         ends.close()
-        threading.Thread(
-            target=self._relay, args=(out_r, err_r, channel_r), daemon=True
-        ).start()
+        threading.Thread(target=self._relay, args=(out_r, err_r, channel_r), daemon=True).start()
         return int(self._process.pid)
 
     def _relay(self, out_r: int, err_r: int, channel: Connection) -> None:
@@ -157,7 +157,9 @@ class ActorControl(RankControl):
         self._channel = Connection(os.dup(ends.channel.fileno()), readable=False)
         self._ended: Ended | None = None
         self._done = threading.Event()
-        self._feeder = threading.Thread(target=self._feed, daemon=True, name="notebook_launcher-ray-feed")
+        self._feeder = threading.Thread(
+            target=self._feed, daemon=True, name="notebook_launcher-ray-feed"
+        )
         self.node: Node | None = None  # where Ray placed the actor, once it said
         self._killed = False  # the launcher killed the actor: its end says nothing of its node
 
@@ -260,7 +262,7 @@ class Node:
 
 
 def _node_state(ray: Any, node_id: str) -> str:
-    """"alive", "gone", or "unknown" (the cluster cannot be asked).
+    """ "alive", "gone", or "unknown" (the cluster cannot be asked).
 
     The cluster notices a lost node only after missing its heartbeats for a while, seconds
     after the node's actors were seen to die; the node's raylet answers at once: a refused
@@ -377,7 +379,9 @@ class RayBackend(Backend):
                 for control, spec in zip(controls, specs)
             ]
             for control, spec, pid in zip(controls, specs, started):
-                _started(ray, pid, control, spec.rank)  # a rank that could not even start raises here
+                _started(
+                    ray, pid, control, spec.rank
+                )  # a rank that could not even start raises here
             for control in controls:
                 control.begin()  # the rank's pid arrives with its Hello (it may be remote)
         except BaseException:

@@ -97,7 +97,9 @@ class XlaBackend(Backend):
         hosts, why = _slice_hosts()
         if hosts > 1:
             tpu = hardware.detect().tpu
-            kind = f"TPU {tpu.accelerator_type} slice" if tpu and tpu.accelerator_type else "TPU slice"
+            kind = (
+                f"TPU {tpu.accelerator_type} slice" if tpu and tpu.accelerator_type else "TPU slice"
+            )
             raise LaunchUnsupportedError(
                 f"this machine is one of {hosts} hosts of a {kind} ({why}), "
                 "and torch_xla's runtime waits until the processes of every host have joined; a "
@@ -169,13 +171,18 @@ class _Supervisor:
 
     @classmethod
     def start(
-        cls, nprocs: int | None, specs: Sequence[RankSpec], ends: Sequence[RankEnds], payload: Any,
+        cls,
+        nprocs: int | None,
+        specs: Sequence[RankSpec],
+        ends: Sequence[RankEnds],
+        payload: Any,
         target: RankTarget,
     ) -> _Supervisor:
         context = multiprocessing.get_context("fork")
         status_r, status_w = context.Pipe(duplex=False)
         process = context.Process(
-            target=_supervise, args=(nprocs, list(specs), list(ends), payload, target, status_w),
+            target=_supervise,
+            args=(nprocs, list(specs), list(ends), payload, target, status_w),
             name="notebook_launcher-xla-supervisor",
         )
         try:
@@ -249,7 +256,11 @@ class XlaRankControl(RankControl):
         waited = now - self._gone_at > _EXIT_CODE_WAIT_S
         if self.pid in supervisor.exit_codes:
             code = supervisor.exit_codes[self.pid]
-            if code == -signal.SIGTERM and not self._signalled and not (supervisor.ended and waited):
+            if (
+                code == -signal.SIGTERM
+                and not self._signalled
+                and not (supervisor.ended and waited)
+            ):
                 # torch_xla's pool ends the other ranks with SIGTERM once one of them ended;
                 # held back, the launcher sees the rank that caused it first and stops these.
                 return None
@@ -301,8 +312,12 @@ class XlaRankControl(RankControl):
 
 
 def _supervise(
-    nprocs: int | None, specs: list[RankSpec], ends: list[RankEnds], payload: Any,
-    target: RankTarget, status: Connection,
+    nprocs: int | None,
+    specs: list[RankSpec],
+    ends: list[RankEnds],
+    payload: Any,
+    target: RankTarget,
+    status: Connection,
 ) -> None:
     """Supervisor process: prepare torch_xla's environment, spawn, report the ranks' ends."""
     with contextlib.suppress(OSError):
@@ -378,6 +393,7 @@ def _report_spawn_failure(channel: Connection, error: BaseException) -> None:
 
 
 # In each rank (a process torch_xla forked, or the supervisor with one process) -------
+
 
 @dataclasses.dataclass(frozen=True)
 class _Launch:

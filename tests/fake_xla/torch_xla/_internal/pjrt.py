@@ -25,8 +25,12 @@ def _merge_replica_results(replica_results: list[tuple[int, Any]]) -> dict[int, 
     return dict(replica_results)
 
 
-def _run_thread_per_device(local_rank: int, local_world_size: int, fn: Callable[[], Any],
-                           initializer_fn: Callable[[int, int], None]) -> dict[int, Any]:
+def _run_thread_per_device(
+    local_rank: int,
+    local_world_size: int,
+    fn: Callable[[], Any],
+    initializer_fn: Callable[[int, int], None],
+) -> dict[int, Any]:
     initializer_fn(local_rank, local_world_size)
     devices = xm.get_xla_supported_devices()
     first = local_rank * len(devices)
@@ -36,7 +40,9 @@ def _run_thread_per_device(local_rank: int, local_world_size: int, fn: Callable[
         return fn()
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(devices)) as executor:
-        results = list(zip(range(first, first + len(devices)), executor.map(_thread_fn, range(len(devices)))))
+        results = list(
+            zip(range(first, first + len(devices)), executor.map(_thread_fn, range(len(devices))))
+        )
     return _merge_replica_results(results)
 
 
@@ -71,22 +77,27 @@ def initialize_multiprocess(local_rank: int, local_world_size: int) -> None:
     _fake.wait_for_all_processes(local_world_size)
 
 
-def run_multiprocess(fn: Callable[..., Any], *args: Any, start_method: str = "spawn",
-                     **kwargs: Any) -> dict[int, Any]:
+def run_multiprocess(
+    fn: Callable[..., Any], *args: Any, start_method: str = "spawn", **kwargs: Any
+) -> dict[int, Any]:
     if torch_xla._XLAC._xla_runtime_is_initialized():
-        raise RuntimeError("Runtime is already initialized. Do not use the XLA "
-                           "device before calling xmp.spawn.")
+        raise RuntimeError(
+            "Runtime is already initialized. Do not use the XLA device before calling xmp.spawn."
+        )
     num_processes = _fake.chips() if runtime.device_type() == "TPU" else 1
     # The fake interconnect: a store the replicas meet at, served by this process.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     os.environ["FAKE_XLA_STORE"] = f"127.0.0.1:{store.port}"
     os.environ["FAKE_XLA_WORLD_SIZE"] = str(num_processes * _fake.devices_per_process())
     with concurrent.futures.ProcessPoolExecutor(
-            max_workers=num_processes,
-            mp_context=torch.multiprocessing.get_context(start_method)) as executor:
+        max_workers=num_processes, mp_context=torch.multiprocessing.get_context(start_method)
+    ) as executor:
         mp_fn = functools.partial(
-            _run_thread_per_device, local_world_size=num_processes,
-            fn=functools.partial(fn, *args, **kwargs), initializer_fn=initialize_multiprocess)
+            _run_thread_per_device,
+            local_world_size=num_processes,
+            fn=functools.partial(fn, *args, **kwargs),
+            initializer_fn=initialize_multiprocess,
+        )
         process_results = executor.map(mp_fn, range(num_processes))
         replica_results = list(itertools.chain.from_iterable(r.items() for r in process_results))
     return _merge_replica_results(replica_results)
@@ -102,8 +113,12 @@ class _SpawnFn:
         self.fn(runtime.global_ordinal(), *self.args, **self.kwargs)
 
 
-def spawn(fn: Callable[..., Any], nprocs: int | None = None, start_method: str = "spawn",
-          args: tuple[Any, ...] = ()) -> None:
+def spawn(
+    fn: Callable[..., Any],
+    nprocs: int | None = None,
+    start_method: str = "spawn",
+    args: tuple[Any, ...] = (),
+) -> None:
     spawn_fn = _SpawnFn(fn, *args)
     if nprocs == 1:
         return _run_singleprocess(spawn_fn)
@@ -111,5 +126,6 @@ def spawn(fn: Callable[..., Any], nprocs: int | None = None, start_method: str =
         raise ValueError(
             f"Unsupported nprocs ({nprocs}). Please use nprocs=1 or None (default). If None, spawn "
             "will use all available devices. Use the environment variable X_NUM_DEVICES (where X "
-            "is CPU, TPU, NEURONCORE, etc) to limit the number of devices used.")
+            "is CPU, TPU, NEURONCORE, etc) to limit the number of devices used."
+        )
     run_multiprocess(spawn_fn, start_method=start_method)

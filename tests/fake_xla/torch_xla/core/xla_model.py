@@ -50,8 +50,9 @@ def wait_device_ops(devices: list[str] = []) -> None:  # noqa: B006 (the real si
     pass
 
 
-def all_reduce(reduce_type: str, inputs: Any, scale: float = 1.0, groups: Any = None,
-               pin_layout: bool = True) -> Any:
+def all_reduce(
+    reduce_type: str, inputs: Any, scale: float = 1.0, groups: Any = None, pin_layout: bool = True
+) -> Any:
     _fake.calls["all_reduce"] += 1
     _fake.calls[f"all_reduce_{reduce_type}"] += 1
     if isinstance(inputs, torch.Tensor):
@@ -65,15 +66,22 @@ def all_reduce(reduce_type: str, inputs: Any, scale: float = 1.0, groups: Any = 
     return inputs
 
 
-def all_gather(value: torch.Tensor, dim: int = 0, groups: Any = None, output: Any = None,
-               pin_layout: bool = True, channel_id: Any = None,
-               use_global_device_ids: Any = None) -> torch.Tensor:
+def all_gather(
+    value: torch.Tensor,
+    dim: int = 0,
+    groups: Any = None,
+    output: Any = None,
+    pin_layout: bool = True,
+    channel_id: Any = None,
+    use_global_device_ids: Any = None,
+) -> torch.Tensor:
     _fake.calls["all_gather"] += 1
     return torch.cat(_fake.all_gather(value), dim=dim)
 
 
-def reduce_gradients(optimizer: torch.optim.Optimizer, groups: Any = None,
-                     pin_layout: bool = True) -> None:
+def reduce_gradients(
+    optimizer: torch.optim.Optimizer, groups: Any = None, pin_layout: bool = True
+) -> None:
     _fake.calls["reduce_gradients"] += 1
     count = runtime.world_size()
     if count > 1:
@@ -81,9 +89,13 @@ def reduce_gradients(optimizer: torch.optim.Optimizer, groups: Any = None,
         all_reduce(REDUCE_SUM, grads, scale=1.0 / count)
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, barrier: bool = False,
-                   optimizer_args: dict[str, Any] = {},  # noqa: B006 (the real signature)
-                   groups: Any = None, pin_layout: bool = True) -> Any:
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    barrier: bool = False,
+    optimizer_args: dict[str, Any] = {},  # noqa: B006 (the real signature)
+    groups: Any = None,
+    pin_layout: bool = True,
+) -> Any:
     _fake.calls["optimizer_step"] += 1
     reduce_gradients(optimizer, groups=groups, pin_layout=pin_layout)
     return optimizer.step(**optimizer_args)
@@ -102,7 +114,9 @@ def mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list[Any]], Any]) -> A
     return reduce_fn(gathered)
 
 
-def save(data: Any, file_or_path: Any, master_only: bool = True, global_master: bool = False) -> None:
+def save(
+    data: Any, file_or_path: Any, master_only: bool = True, global_master: bool = False
+) -> None:
     _fake.calls["save"] += 1
     if not master_only or is_master_ordinal(local=not global_master):
         torch.save(data, file_or_path)

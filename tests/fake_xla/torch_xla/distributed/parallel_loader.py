@@ -85,10 +85,17 @@ class PerDeviceLoader:
 
 
 class ParallelLoader:
-    def __init__(self, cpu_loader: Any, devices: list[Any], batchdim: int = 0,
-                 batches_per_execution: int = 1, loader_prefetch_size: int = 16,
-                 device_prefetch_size: int = 8, host_to_device_transfer_threads: int = 1,
-                 input_sharding: Any = None) -> None:
+    def __init__(
+        self,
+        cpu_loader: Any,
+        devices: list[Any],
+        batchdim: int = 0,
+        batches_per_execution: int = 1,
+        loader_prefetch_size: int = 16,
+        device_prefetch_size: int = 8,
+        host_to_device_transfer_threads: int = 1,
+        input_sharding: Any = None,
+    ) -> None:
         _fake.calls["ParallelLoader"] += 1
         self._cpu_loader = cpu_loader
         self._devices = [torch.device(d) for d in devices]

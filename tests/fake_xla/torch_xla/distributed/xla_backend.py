@@ -44,8 +44,9 @@ def _rendezvous_handler(url: str, timeout: Any = None, **kwargs: Any) -> Any:
                 tcp_store = dist.TCPStore(host, port, runtime.process_count(), is_master=False)
                 _store = dist.PrefixStore(f"/worker/attempt_{attempt}", tcp_store)
             else:
-                _store = dist.TCPStore(host, port, runtime.process_count(),
-                                       is_master=runtime.process_index() == 0)
+                _store = dist.TCPStore(
+                    host, port, runtime.process_count(), is_master=runtime.process_index() == 0
+                )
     yield (_store, runtime.global_ordinal(), runtime.world_size())
 
 

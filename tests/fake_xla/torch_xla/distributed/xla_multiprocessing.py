@@ -7,6 +7,12 @@ from typing import Any, Callable
 from torch_xla._internal import pjrt
 
 
-def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int | None = None,
-          join: bool = True, daemon: bool = False, start_method: str = "spawn") -> None:
+def spawn(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    nprocs: int | None = None,
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str = "spawn",
+) -> None:
     return pjrt.spawn(fn, nprocs, start_method, args)
