@@ -80,8 +80,7 @@ test-xla: $(XLA_VENV)/.installed
 	PYTHONPATH=$(CURDIR) PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla -s tests/test_tpu_real_xla.py
 
 # Python (ruff's linter and formatter, mypy) and the extension's TypeScript (eslint,
-# prettier), as JupyterLab
-# extensions lint it; jlpm comes with the test dependencies (jupyterlab).
+# prettier), as JupyterLab extensions lint it; jlpm comes with the test dependencies (jupyterlab).
 lint: setup docs
 	$(BIN)/ruff check notebook_launcher tests benchmarks examples docs/hooks
 	$(BIN)/ruff format --check notebook_launcher tests benchmarks examples docs/hooks
