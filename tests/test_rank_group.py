@@ -8,6 +8,8 @@ import os
 import signal
 import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -76,12 +78,59 @@ class FakeBackend(Backend):
         self.closed = True
 
 
-def open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
+@contextmanager
+def descriptors_opened_here() -> Iterator[list[tuple[int, int]]]:
+    """The pipes and duplicates this thread opens inside the block, as (fd, inode).
+
+    Only they are checked afterwards: other threads of the test process (pytest-xdist's
+    own, a kernel client an earlier test left) open and close descriptors at any moment,
+    and a check of the whole process's set would count theirs.
+    """
+    opened: list[tuple[int, int]] = []
+    me = threading.get_ident()
+    real_pipe, real_dup = os.pipe, os.dup
+
+    def note(*fds: int) -> None:
+        if threading.get_ident() == me:
+            opened.extend((fd, os.fstat(fd).st_ino) for fd in fds)
+
+    def pipe() -> tuple[int, int]:
+        ends = real_pipe()
+        note(*ends)
+        return ends
+
+    def dup(fd: int) -> int:
+        copy = real_dup(fd)
+        note(copy)
+        return copy
+
+    os.pipe, os.dup = pipe, dup  # type: ignore[assignment]
+    try:
+        yield opened
+    finally:
+        os.pipe, os.dup = real_pipe, real_dup  # type: ignore[assignment]
+
+
+def still_open(opened: list[tuple[int, int]]) -> list[int]:
+    """Those of ``opened`` that still name the same file (a closed number may be reused)."""
+    left = []
+    for fd, inode in opened:
+        try:
+            if os.fstat(fd).st_ino == inode:
+                left.append(fd)
+        except OSError:
+            pass
+    return left
 
 
 def test_a_rank_that_will_not_die_is_reported_not_waited_for() -> None:
-    before = open_fds()
+    with descriptors_opened_here() as opened:
+        backend = _close_a_group_of_stuck_ranks()
+    assert opened and still_open(opened) == []  # every pipe of the group is closed
+    assert backend.closed
+
+
+def _close_a_group_of_stuck_ranks() -> FakeBackend:
     controls: list[StuckControl] = []
     backend = FakeBackend(lambda spec, ends: controls.append(StuckControl()) or controls[-1])
     events: list[Any] = []
@@ -103,8 +152,8 @@ def test_a_rank_that_will_not_die_is_reported_not_waited_for() -> None:
         f"rank 0 (pid {2**22 + 1}), rank 1 (pid {2**22 + 1}) did not end within 0.01s of SIGKILL"
     )
     assert all(c.signals[:2] == [signal.SIGTERM, signal.SIGKILL] for c in controls)
-    assert backend.closed and open_fds() == before  # every pipe of the group is closed
     assert group.close() == stuck  # idempotent
+    return backend
 
 
 class ThreadRank(RankControl):
@@ -147,7 +196,13 @@ class ThreadRank(RankControl):
 
 
 def test_a_group_is_driven_command_by_command_and_watched_between() -> None:
-    before = open_fds()
+    with descriptors_opened_here() as opened:
+        _drive_a_group_command_by_command()
+    # the group's pipes and the thread ranks' duplicates of their ends
+    assert opened and still_open(opened) == []
+
+
+def _drive_a_group_command_by_command() -> None:
     events: list[Any] = []
     group = RankGroup(
         PLAN,
@@ -185,7 +240,6 @@ def test_a_group_is_driven_command_by_command_and_watched_between() -> None:
     assert lines == [f"rank {r} ran {k}" for r in range(2) for k in range(3)]
     assert [e.state for e in events if isinstance(e, RankFinished)] == ["done", "done"]
     assert group.close() == []
-    assert open_fds() == before
 
 
 class ReapedBeforeItsSentinelIsSeen(RankControl):
