@@ -77,7 +77,7 @@ $(XLA_VENV)/.installed:
 	touch $@
 
 test-xla: $(XLA_VENV)/.installed
-	PYTHONPATH=$(CURDIR) PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla -s tests/test_tpu_real_xla.py
+	PYTHONPATH=$(CURDIR) PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla -s tests/tpu/test_tpu_real_xla.py
 
 # Python (ruff's linter and formatter, mypy) and the extension's TypeScript (eslint,
 # prettier), as JupyterLab extensions lint it; jlpm comes with the test dependencies (jupyterlab).

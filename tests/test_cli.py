@@ -15,8 +15,7 @@ import psutil
 import pytest
 
 from notebook_launcher import defaults, hardware
-
-from .ports import free_port
+from tests.support.ports import free_port
 
 try:
     import tomllib

@@ -9,8 +9,8 @@ import time
 import psutil
 import pytest
 
-from .conftest import rank_processes
-from .kernel_driver import RunningKernel
+from tests.conftest import rank_processes
+from tests.support.kernel_driver import RunningKernel
 
 pytestmark = pytest.mark.kernel
 

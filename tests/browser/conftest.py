@@ -29,8 +29,7 @@ from pathlib import Path
 import pytest
 
 import notebook_launcher
-
-from ..ports import free_port
+from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "artifacts"
