@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-xla lint docs course clean browser extension
+.PHONY: setup demo test test-quick test-xla lint docs course clean browser extension
 
 # uv installs the Python dependencies (in parallel, seconds where pip took minutes); pip
 # installs torch alone, as only pip looks in the machine's own wheel folder for the CPU
@@ -42,6 +42,18 @@ setup: $(VENV)/.installed
 
 demo: $(VENV)/.demo-installed
 	$(BIN)/python examples/run_notebook.py examples/01_quickstart.ipynb
+
+# The quick tier, for work on the Python side: no lab extension build (so no node), no
+# root, browser, Ray cluster or GPU; the tests that drive a real kernel, a browser or Ray,
+# and those marked slow, are left to `make test`.
+$(VENV)/.quick-installed: $(VENV)/.demo-installed
+	SKIP_JUPYTER_BUILDER=1 $(UV_INSTALL) -e ".[test,dev]"
+	touch $@
+
+test-quick: $(VENV)/.quick-installed
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not kernel and not ray and not slow and not xla" \
+		--ignore=tests/browser --durations=10 $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 # The sidebar's browser tests drive Debian's chromium through Playwright (never a browser
 # downloaded by Playwright); installing it needs root, as on CI.
