@@ -377,7 +377,7 @@ class _ShownAround:
     """``%%distributed --show NAME``: NAME on every rank before the cell, then before and after."""
 
     def __init__(self, session: Session, names: list[str]) -> None:
-        from notebook_launcher.session.value_summaries import check_names
+        from notebook_launcher.value_summaries import check_names
 
         self.session = session
         self.names = check_names(names)

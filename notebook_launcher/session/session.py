@@ -305,7 +305,7 @@ class Session:
         Returns an ``Inspection``, which Jupyter shows as HTML (a static record) and whose
         ``stages`` hold the summaries.
         """
-        from notebook_launcher.session.value_summaries import collect
+        from notebook_launcher.value_summaries import collect
         from notebook_launcher.widgets.inspector import Inspection
 
         return Inspection([("", collect(self, names, ranks))])
