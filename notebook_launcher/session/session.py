@@ -57,6 +57,21 @@ _STUCK_AFTER_S = 5.0  # after an interrupt: say so when ranks are not back by th
 _RESTART_HINT = "Restart the session (session.restart(), or %distributed restart) for new ranks"
 
 
+# The session the magics run cells on (see Session.current); one kernel has one.
+_magics_session: Session | None = None
+
+
+def set_magics_session(session: Session | None) -> None:
+    """Called by the magics as they start, replace or stop their session."""
+    global _magics_session
+    _magics_session = session
+
+
+def current_session() -> Session | None:
+    """The magics' session, or None (Session.current() raises instead)."""
+    return _magics_session
+
+
 class Session:
     """``num_processes`` ranks with torch.distributed set up once, kept across cells.
 
@@ -99,9 +114,22 @@ class Session:
         self._stopped_where: list[str] = []  # where the ranks were when the last cell was stopped
         self._timed_out = False  # the last cell ran past its timeout
         self._failed_rank: int | None = None  # whose failure the last failed cell reported
+        self._held: StopPresses | None = None  # the last call's stop presses, until let go
 
         self._watcher: threading.Thread | None = None
         self._start()
+
+    @staticmethod
+    def current() -> Session:
+        """The session that the magics (``%distributed start``, a ``%%distributed`` cell) run
+        cells on, so that code can call its ``status()``, ``where()`` or ``run()``."""
+        session = _magics_session
+        if session is None:
+            raise SessionError(
+                "no session was started by the magics in this kernel, so Session.current() has "
+                "none to give; %distributed start -n 2 (or a %%distributed cell) starts one."
+            )
+        return session
 
     # Life cycle ----------------------------------------------------------------------
 
@@ -174,6 +202,7 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        self._let_go_of_presses()
         self._release()
 
     def restart(self) -> None:
@@ -446,6 +475,7 @@ class Session:
         self._seq += 1
         seq = self._seq
         self._bars.new_cell()
+        self._let_go_of_presses()
         presses = StopPresses()
         self._stopped_where, self._timed_out = [], False
         ranks.pumping.acquire()
@@ -492,7 +522,16 @@ class Session:
         finally:
             ranks.pumping.release()
             if presses.installed:
+                presses.returned()
+                self._held = presses
                 self.hold_interrupts(presses.release)
+
+    def _let_go_of_presses(self) -> None:
+        """The last call's hold on stop presses ends when the next call starts, whoever was
+        to release it (a widget's callback has no cell whose end would)."""
+        held, self._held = self._held, None
+        if held is not None and threading.current_thread() is threading.main_thread():
+            held.release()
 
     def _collect(
         self,

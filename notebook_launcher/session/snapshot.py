@@ -1,6 +1,6 @@
 """What a rank is doing right now: where its code is, how long it has run, what it holds.
 
-Taken on the rank by a side thread (see ``worker._SignalWatch``) when the kernel asks with
+Taken on the rank by a side thread (see ``rank_signals.SignalWatch``) when the kernel asks with
 SIGUSR1, from ``sys._current_frames()``: a main thread blocked inside a C++ collective still
 shows its Python frames, so a rank stuck in ``all_reduce`` can say so. Nothing here runs
 unless asked; a cell pays nothing for it.
