@@ -480,8 +480,7 @@ def test_a_command_queued_behind_the_one_a_rank_starts_is_run_after_it_not_lost(
     # Starting a command, a rank looks at what waits behind it for an interrupt of that
     # command; anything else found there must still run, or its caller waits forever.
     ranks = session._ranks
-    first, second = session._seq + 1, session._seq + 2
-    session._seq = second
+    first, second = session._counters.next_seq(), session._counters.next_seq()
     pid = session.pids[0]
     os.kill(pid, signal.SIGSTOP)  # both commands wait in the pipe when it reads the first
     try:

@@ -163,7 +163,8 @@ def _store_keys(store) -> list[str]:
 
 
 def test_a_status_line_shows_state_pid_memory_cpu_and_cuda_memory_on_gpu_ranks():
-    from notebook_launcher.session.snapshot import Snapshot, status_line, status_row, where_text
+    from notebook_launcher.session.protocol import Snapshot
+    from notebook_launcher.session.snapshot import status_line, status_row, where_text
 
     gpu = Snapshot(
         pid=7,

@@ -20,6 +20,8 @@ import time
 from types import FrameType
 from typing import Any, Callable
 
+from notebook_launcher.session.protocol import Snapshot
+
 _CELL_NAME = re.compile(r"In\[(\d+)\]\Z")
 _COLLECTIVES = os.sep + os.path.join("torch", "distributed") + os.sep
 
@@ -30,20 +32,6 @@ class Running:
 
     what: str  # "cell 5", "a function", "push", ...
     started: float  # time.monotonic() on the rank
-
-
-@dataclasses.dataclass(frozen=True)
-class Snapshot:
-    """One rank's answer to "what are you doing?"."""
-
-    pid: int
-    running: str | None  # what it runs (see Running.what); None: idle, waiting for the kernel
-    running_s: float | None  # for how long
-    where: str  # "cell 5, line 3, in time.sleep"; empty when idle
-    rss_bytes: int
-    cpu_percent: float  # of one core, since the rank was last asked (or since it started)
-    cuda_allocated_bytes: int | None = None  # None: no CUDA on this rank
-    cuda_reserved_bytes: int | None = None
 
 
 def cell_label(filename: str) -> str:

@@ -21,7 +21,7 @@ import time
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from types import CodeType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import cloudpickle
 
@@ -29,7 +29,7 @@ from notebook_launcher import rank_env
 from notebook_launcher.launcher import rank as rank_runner
 from notebook_launcher.session import rich_output
 from notebook_launcher.session.completion import complete, describe
-from notebook_launcher.session.debugging import DebugPrompt, LastFailure, post_mortem
+from notebook_launcher.session.debugging import LastFailure, post_mortem
 from notebook_launcher.session.groups import GroupTracker
 from notebook_launcher.session.protocol import (
     Call,
@@ -38,6 +38,7 @@ from notebook_launcher.session.protocol import (
     Debug,
     Describe,
     Execute,
+    FromRank,
     Interrupt,
     Join,
     Pull,
@@ -47,9 +48,13 @@ from notebook_launcher.session.protocol import (
     RemoteRepr,
     Reply,
     Shutdown,
+    completions_value,
+    debug_value,
+    description_value,
+    execute_value,
 )
 from notebook_launcher.session.rank_signals import SignalWatch, nothing_to_do_here
-from notebook_launcher.session.snapshot import Running, Snapshot, SnapshotTaker, cell_label
+from notebook_launcher.session.snapshot import Running, SnapshotTaker, cell_label
 
 if TYPE_CHECKING:
     from notebook_launcher.launcher.backends.base import RankEnds
@@ -122,6 +127,17 @@ class Worker:
         self.interrupts = SignalWatch(self._break_group, self._send_snapshot)
         self._commands: Connection | None = None  # the kernel's commands, once serving
         self._waiting: collections.deque[Command] = collections.deque()  # read early, not run yet
+        # What each command does; its reply's value (see protocol for each shape).
+        self._handlers: dict[type, Callable[[Any], bytes | None]] = {
+            Execute: self._execute,
+            Call: self._call,
+            Push: self._push,
+            Pull: self._pull,
+            Regroup: lambda command: self._regroup(command.generation),
+            Complete: lambda command: completions_value(complete(self.namespace, command.token)),
+            Describe: lambda command: description_value(describe(self.namespace, command.name)),
+            Debug: lambda command: debug_value(*self._debug(command.seq)),
+        }
 
     # The process group -------------------------------------------------------------
 
@@ -234,40 +250,37 @@ class Worker:
         return interrupted
 
     def _run(self, command: Command) -> bytes | None:
-        if isinstance(command, Execute):
-            self._inject(cloudpickle.loads(command.names))
-            self.cell_files.add(command.filename)
-            last = run_cell(command.code, command.filename, self.namespace)
-            returned = {}
-            for name in command.returns:
-                if name not in self.namespace:
-                    raise NameError(
-                        f"--return {name}: name {name!r} is not defined on rank {self.rank}"
-                    )
-                returned[name] = _dumps(self.namespace[name])
-            return cloudpickle.dumps((_dumps(last), returned))
-        if isinstance(command, Call):
-            function, args, kwargs = cloudpickle.loads(command.payload)
-            return _dumps(function(*args, **kwargs))
-        if isinstance(command, Push):
-            for name, value in cloudpickle.loads(command.names).items():
-                self.namespace[name] = value
-                self.injected.pop(name, None)  # pushed names are the rank's own from now on
-            return None
-        if isinstance(command, Pull):
-            if command.name not in self.namespace:
-                raise NameError(f"name {command.name!r} is not defined on rank {self.rank}")
-            return _dumps(self.namespace[command.name])
-        if isinstance(command, Regroup):
-            self._regroup(command.generation)
-            return None
-        if isinstance(command, Complete):
-            return cloudpickle.dumps(complete(self.namespace, command.token))
-        if isinstance(command, Describe):
-            return cloudpickle.dumps(describe(self.namespace, command.name))
-        if isinstance(command, Debug):
-            return cloudpickle.dumps(self._debug(command.seq))
-        raise TypeError(f"unknown command {command!r}")
+        handler = self._handlers.get(type(command))
+        if handler is None:
+            raise TypeError(f"unknown command {command!r}")
+        return handler(command)
+
+    def _execute(self, command: Execute) -> bytes:
+        self._inject(cloudpickle.loads(command.names))
+        self.cell_files.add(command.filename)
+        last = run_cell(command.code, command.filename, self.namespace)
+        returned = {}
+        for name in command.returns:
+            if name not in self.namespace:
+                raise NameError(
+                    f"--return {name}: name {name!r} is not defined on rank {self.rank}"
+                )
+            returned[name] = _dumps(self.namespace[name])
+        return execute_value(_dumps(last), returned)
+
+    def _call(self, command: Call) -> bytes:
+        function, args, kwargs = cloudpickle.loads(command.payload)
+        return _dumps(function(*args, **kwargs))
+
+    def _push(self, command: Push) -> None:
+        for name, value in cloudpickle.loads(command.names).items():
+            self.namespace[name] = value
+            self.injected.pop(name, None)  # pushed names are the rank's own from now on
+
+    def _pull(self, command: Pull) -> bytes:
+        if command.name not in self.namespace:
+            raise NameError(f"name {command.name!r} is not defined on rank {self.rank}")
+        return _dumps(self.namespace[command.name])
 
     def _debug(self, seq: int) -> tuple[str, str]:
         """("done", pdb's last output), or ("nothing", why there is nothing to debug)."""
@@ -348,7 +361,7 @@ def _what(command: Command) -> str:
     return f"a {type(command).__name__.lower()}"
 
 
-def send(message: Ready | Reply | Snapshot | DebugPrompt | rich_output.RichOutput) -> None:
+def send(message: FromRank) -> None:
     """Over the launcher's rank -> kernel channel, which carries any picklable message;
     written whole, even when the kernel's interrupt comes meanwhile."""
     with SignalWatch.whole_messages_of_this_process():
