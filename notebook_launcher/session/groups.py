@@ -56,6 +56,7 @@ class GroupTracker:
             self._sockets[id(group)] = opened
 
     def _new_group(self, *args: Any, **kwargs: Any) -> Any:
+        """torch.distributed.new_group, as the rank's code calls it; its connections noted."""
         with self._noting() as opened:
             group = self._original(*args, **kwargs)
         with self._lock:

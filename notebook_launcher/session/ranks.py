@@ -120,8 +120,7 @@ class SessionRanks:
             rank = self.group.ranks[index]
             if rank.state == RankState.RUNNING and rank.pid is not None:
                 self.send(index, Interrupt(seq))
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(rank.pid, signal.SIGINT)
+                self._signal_rank(rank, signal.SIGINT)
 
     def ask(self, ranks: list[int]) -> None:
         """Ask these ranks what they are doing (SIGUSR1); each answers with a Snapshot, also
@@ -131,8 +130,14 @@ class SessionRanks:
             # Only a rank that said Ready has its answer set up: before that, SIGUSR1's
             # default action would end it.
             if rank.state == RankState.RUNNING and rank.pid is not None and index in self.ready:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(rank.pid, signal.SIGUSR1)
+                self._signal_rank(rank, signal.SIGUSR1)
+
+    @staticmethod
+    def _signal_rank(rank: Rank, signum: int) -> None:
+        """The one place a session signals a rank itself (not its children): the rank's own
+        process, here a local pid. A rank that ended meanwhile is no error."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank.pid, signum)  # type: ignore[arg-type]  # callers check it is set
 
     def look(self, targets: list[int]) -> dict[int, Snapshot | None]:
         """Each target's answer to "what are you doing?" (None: no answer in time).
