@@ -15,24 +15,7 @@ import sys
 from types import TracebackType
 from typing import Any, Callable
 
-from notebook_launcher.session.protocol import Interrupt
-
-
-@dataclasses.dataclass(frozen=True)
-class DebugPrompt:
-    """Rank -> kernel: what pdb wrote since the last line, and the prompt it asks with."""
-
-    seq: int
-    output: str
-    prompt: str
-
-
-@dataclasses.dataclass(frozen=True)
-class DebugInput:
-    """Kernel -> rank: the line the user typed at the prompt."""
-
-    seq: int
-    line: str
+from notebook_launcher.session.protocol import DebugInput, DebugPrompt, Interrupt
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 
 from notebook_launcher.errors import LaunchConfigError, SessionError, SessionTimeoutError
 from notebook_launcher.session.capture import notebook_values
-from notebook_launcher.session.session import Session
+from notebook_launcher.session.session import Session, current_session, set_magics_session
 from notebook_launcher.session.snapshot import status_line
 from notebook_launcher.session.worker import BASE_NAMES
 
@@ -170,7 +170,15 @@ class RankValues(list):
 
 @magics_class
 class DistributedMagics(Magics):
-    session: Session | None = None
+    @property
+    def session(self) -> Session | None:
+        """The session the cells run on; also ``Session.current()`` for code."""
+        return current_session()
+
+    @session.setter
+    def session(self, session: Session | None) -> None:
+        set_magics_session(session)
+
     auto = False  # every cell runs on the ranks (%distributed auto on)
     _transforming_body = False  # a cell's body goes through IPython's transformations again
 
@@ -377,7 +385,7 @@ class _ShownAround:
     """``%%distributed --show NAME``: NAME on every rank before the cell, then before and after."""
 
     def __init__(self, session: Session, names: list[str]) -> None:
-        from notebook_launcher.session.value_summaries import check_names
+        from notebook_launcher.value_summaries import check_names
 
         self.session = session
         self.names = check_names(names)

@@ -25,10 +25,19 @@ from notebook_launcher.launcher.plan import LaunchPlan
 from notebook_launcher.launcher.rank_group import Rank, RankGroup, RankState
 from notebook_launcher.launcher.run import Emitter, rank_specs
 from notebook_launcher.launcher.store import RendezvousStore, bind_listener
-from notebook_launcher.session.debugging import DebugInput, DebugPrompt, converse
-from notebook_launcher.session.protocol import Command, Interrupt, Join, Ready, Reply
-from notebook_launcher.session.rich_output import RichOutput, show
-from notebook_launcher.session.snapshot import Snapshot
+from notebook_launcher.session.debugging import converse
+from notebook_launcher.session.protocol import (
+    DebugPrompt,
+    FromRank,
+    Interrupt,
+    Join,
+    Ready,
+    Reply,
+    RichOutput,
+    Snapshot,
+    ToRank,
+)
+from notebook_launcher.session.rich_output import show
 from notebook_launcher.session.worker import session_rank
 
 # How long a look at the ranks waits for their answers: a side thread answers at once, so
@@ -49,6 +58,14 @@ class SessionRanks:
         self.answered = threading.Condition()  # notified as each answer comes
         self.pumping = threading.RLock()  # held by the thread that reads the ranks' messages
         self.prompts: dict[tuple[int, int], list[DebugPrompt]] = {}  # (rank, seq) -> pdb's prompts
+        # What the kernel does with each message a rank sends (see protocol.FromRank).
+        self._handlers: dict[type, Callable[[int, Any], None]] = {
+            Reply: self._on_reply,
+            Snapshot: self._on_snapshot,
+            RichOutput: show,
+            DebugPrompt: self._on_prompt,
+            Ready: self._on_ready,
+        }
         self._cleanup = contextlib.ExitStack()
         try:
             backend = backends.lookup(plan.backend)
@@ -89,7 +106,7 @@ class SessionRanks:
             r.rank: failures.get(r.rank) for r in self.group.ranks if r.state == RankState.EXITED
         }
 
-    def send(self, rank: int, command: Command | Join | DebugInput) -> None:
+    def send(self, rank: int, command: ToRank) -> None:
         try:
             self.group.send(rank, command)
         except OSError:
@@ -103,8 +120,7 @@ class SessionRanks:
             rank = self.group.ranks[index]
             if rank.state == RankState.RUNNING and rank.pid is not None:
                 self.send(index, Interrupt(seq))
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(rank.pid, signal.SIGINT)
+                self._signal_rank(rank, signal.SIGINT)
 
     def ask(self, ranks: list[int]) -> None:
         """Ask these ranks what they are doing (SIGUSR1); each answers with a Snapshot, also
@@ -114,8 +130,14 @@ class SessionRanks:
             # Only a rank that said Ready has its answer set up: before that, SIGUSR1's
             # default action would end it.
             if rank.state == RankState.RUNNING and rank.pid is not None and index in self.ready:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(rank.pid, signal.SIGUSR1)
+                self._signal_rank(rank, signal.SIGUSR1)
+
+    @staticmethod
+    def _signal_rank(rank: Rank, signum: int) -> None:
+        """The one place a session signals a rank itself (not its children): the rank's own
+        process, here a local pid. A rank that ended meanwhile is no error."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank.pid, signum)  # type: ignore[arg-type]  # callers check it is set
 
     def look(self, targets: list[int]) -> dict[int, Snapshot | None]:
         """Each target's answer to "what are you doing?" (None: no answer in time).
@@ -188,20 +210,25 @@ class SessionRanks:
         self.group.watch(0.0)
         self.group.flush_partial_lines()
 
-    def _on_message(self, rank: Rank, message: Any) -> None:
-        if isinstance(message, Reply):
-            self.replies[(rank.rank, message.seq)] = message
-        elif isinstance(message, Snapshot):
-            with self.answered:
-                self.snapshots[rank.rank] = message
-                self.answers[rank.rank] = self.answers.get(rank.rank, 0) + 1
-                self.answered.notify_all()
-        elif isinstance(message, RichOutput):
-            show(rank.rank, message)
-        elif isinstance(message, DebugPrompt):
-            self.prompts.setdefault((rank.rank, message.seq), []).append(message)
-        elif isinstance(message, Ready):
-            self.ready[rank.rank] = message
+    def _on_message(self, rank: Rank, message: FromRank) -> None:
+        handler = self._handlers.get(type(message))
+        if handler is not None:
+            handler(rank.rank, message)
+
+    def _on_reply(self, rank: int, reply: Reply) -> None:
+        self.replies[(rank, reply.seq)] = reply
+
+    def _on_snapshot(self, rank: int, snapshot: Snapshot) -> None:
+        with self.answered:
+            self.snapshots[rank] = snapshot
+            self.answers[rank] = self.answers.get(rank, 0) + 1
+            self.answered.notify_all()
+
+    def _on_prompt(self, rank: int, prompt: DebugPrompt) -> None:
+        self.prompts.setdefault((rank, prompt.seq), []).append(prompt)
+
+    def _on_ready(self, rank: int, ready: Ready) -> None:
+        self.ready[rank] = ready
 
     def close(self) -> None:
         """Stop every rank (time-limited) and free the store, pipes and descriptors; idempotent."""

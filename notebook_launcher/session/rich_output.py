@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import base64
 import builtins
-import dataclasses
 import io
 import sys
 from typing import Any, Callable
 
 from notebook_launcher.after_import import after_import
+from notebook_launcher.session.protocol import RichOutput
 
 BACKEND = "module://notebook_launcher.session.figure_backend"
 _REPRS = (
@@ -30,14 +30,6 @@ _REPRS = (
     ("text/latex", "_repr_latex_"),
     ("application/json", "_repr_json_"),
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class RichOutput:
-    """Rank -> kernel: one displayed object."""
-
-    data: dict[str, Any]
-    metadata: dict[str, Any]
 
 
 # The rank's side ------------------------------------------------------------------------

@@ -12,16 +12,12 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable
 
-import cloudpickle
-
 from notebook_launcher import registry
 from notebook_launcher.defaults import effective_defaults
 from notebook_launcher.errors import (
-    LaunchStoppedError,
     LaunchTypeError,
     RankFailedError,
     SessionError,
-    SessionTimeoutError,
 )
 from notebook_launcher.hardware import detect as detect_hardware
 from notebook_launcher.launcher import options
@@ -31,7 +27,6 @@ from notebook_launcher.launcher.plan import LaunchCall, LaunchPlan, resolve_plan
 from notebook_launcher.launcher.printer import TextPrinter
 from notebook_launcher.launcher.start_method import KernelState
 from notebook_launcher.session.capture import check_picklable
-from notebook_launcher.session.cell_failure import cell_error, rank_names
 from notebook_launcher.session.completion import merge
 from notebook_launcher.session.interrupts import StopPresses
 from notebook_launcher.session.progress_bars import ProgressBars
@@ -44,17 +39,36 @@ from notebook_launcher.session.protocol import (
     Execute,
     Pull,
     Push,
-    Regroup,
     Reply,
+    read_completions,
+    read_debug,
+    read_description,
+    read_execute,
+    read_value,
 )
 from notebook_launcher.session.ranks import SessionRanks
+from notebook_launcher.session.roundtrip import (
+    RESTART_HINT,
+    WAKE_S,
+    CellRoundTrip,
+    Counters,
+    SessionHooks,
+)
 from notebook_launcher.session.snapshot import Snapshot, status_row, where_text
 
-# While waiting for an answer the kernel wakes this often (to warn about ranks that ignore
-# an interrupt); there is no limit on how long a cell may run.
-_WAKE_S = 0.5
-_STUCK_AFTER_S = 5.0  # after an interrupt: say so when ranks are not back by then
-_RESTART_HINT = "Restart the session (session.restart(), or %distributed restart) for new ranks"
+# The session the magics run cells on (see Session.current); one kernel has one.
+_magics_session: Session | None = None
+
+
+def set_magics_session(session: Session | None) -> None:
+    """Called by the magics as they start, replace or stop their session."""
+    global _magics_session
+    _magics_session = session
+
+
+def current_session() -> Session | None:
+    """The magics' session, or None (Session.current() raises instead)."""
+    return _magics_session
 
 
 class Session:
@@ -79,8 +93,12 @@ class Session:
         self.plan = make_plan(num_processes, mixed_precision, start_method, hardware, output)
         self._bars = ProgressBars(TextPrinter(self.plan.output), self.plan.output)
         self._observers: list[LaunchObserver] = [self._bars, *(observers or [])]
-        self._seq = 0
-        self._generation = 0
+        self._counters = Counters()  # command sequence numbers, process group generations
+        self._hooks = SessionHooks(
+            end=self._end,
+            death_error=self._death_error,
+            stopped_from_outside=lambda: self._stopped_from_outside,
+        )
         self._closed = False
         self._stopped_from_outside = False
         self._ended: str | None = None  # why the session is unusable (a rank died, ...)
@@ -96,12 +114,23 @@ class Session:
         self._ranks: SessionRanks | None = None
         self._record: registry.RegisteredLaunch | None = None
         self._watch_stop = threading.Event()
-        self._stopped_where: list[str] = []  # where the ranks were when the last cell was stopped
-        self._timed_out = False  # the last cell ran past its timeout
         self._failed_rank: int | None = None  # whose failure the last failed cell reported
+        self._held: StopPresses | None = None  # the last call's stop presses, until let go
 
         self._watcher: threading.Thread | None = None
         self._start()
+
+    @staticmethod
+    def current() -> Session:
+        """The session that the magics (``%distributed start``, a ``%%distributed`` cell) run
+        cells on, so that code can call its ``status()``, ``where()`` or ``run()``."""
+        session = _magics_session
+        if session is None:
+            raise SessionError(
+                "no session was started by the magics in this kernel, so Session.current() has "
+                "none to give; %distributed start -n 2 (or a %%distributed cell) starts one."
+            )
+        return session
 
     # Life cycle ----------------------------------------------------------------------
 
@@ -146,7 +175,7 @@ class Session:
     def _watch_sidebar(self, record: registry.RegisteredLaunch, ranks: SessionRanks) -> None:
         """The sidebar's Stop and "where?" work between cells too: nothing else runs in the
         kernel then."""
-        while not self._watch_stop.wait(_WAKE_S):
+        while not self._watch_stop.wait(WAKE_S):
             if record.stop_requested():
                 self._stopped_from_outside = True
                 ranks.stop()
@@ -174,6 +203,7 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        self._let_go_of_presses()
         self._release()
 
     def restart(self) -> None:
@@ -234,7 +264,7 @@ class Session:
         options.check_function(function)
         payload = dump_payload(function, args, kwargs)
         replies = self._roundtrip(self._all(), lambda seq: Call(seq, payload))
-        return [cloudpickle.loads(replies[r].value or cloudpickle.dumps(None)) for r in self._all()]
+        return [read_value(replies[r]) for r in self._all()]
 
     def execute(
         self,
@@ -266,18 +296,17 @@ class Session:
         targets = self._targets(ranks)
         self.returned, self.returned_rank = {}, None
         blob = check_picklable(dict(names or {}), "the cell uses")
-        name = filename or f"<session cell {self._seq + 1}>"
+        name = filename or f"<session cell {self._counters.seq + 1}>"
         replies = self._roundtrip(
             targets, lambda seq: Execute(seq, code, name, blob, tuple(returns)), timeout=timeout
         )
         values = []
         for position, rank in enumerate(targets):
-            value = replies[rank].value
-            last, returned = cloudpickle.loads(value) if value else (None, {})
-            values.append(None if last is None else cloudpickle.loads(last))
-            if position == 0 and returns:
-                self.returned = {key: cloudpickle.loads(part) for key, part in returned.items()}
-                self.returned_rank = rank
+            first = position == 0 and bool(returns)
+            last, returned = read_execute(replies[rank], with_returned=first)
+            values.append(last)
+            if first:
+                self.returned, self.returned_rank = returned, rank
         return values
 
     def push(self, names: Mapping[str, Any], ranks: Sequence[int] | None = None) -> None:
@@ -294,8 +323,7 @@ class Session:
     def pull(self, name: str, rank: int = 0) -> Any:
         """The value of ``name`` in one rank's namespace."""
         (target,) = self._targets([rank])
-        reply = self._roundtrip([target], lambda seq: Pull(seq, name))[target]
-        return cloudpickle.loads(reply.value or cloudpickle.dumps(None))
+        return read_value(self._roundtrip([target], lambda seq: Pull(seq, name))[target])
 
     def show(self, *names: str, ranks: Sequence[int] | None = None) -> Any:
         """Each rank's value of ``names`` (or dotted paths such as ``model.weight.grad``),
@@ -305,7 +333,7 @@ class Session:
         Returns an ``Inspection``, which Jupyter shows as HTML (a static record) and whose
         ``stages`` hold the summaries.
         """
-        from notebook_launcher.session.value_summaries import collect
+        from notebook_launcher.value_summaries import collect
         from notebook_launcher.widgets.inspector import Inspection
 
         return Inspection([("", collect(self, names, ranks))])
@@ -340,8 +368,7 @@ class Session:
                 )
         (target,) = self._targets([rank])
         ranks = self._check_usable()
-        self._seq += 1
-        seq = self._seq
+        seq = self._counters.next_seq()
         with ranks.pumping:
             ranks.send(target, Debug(seq))
             # input() looked up now: a kernel replaces it while a cell runs, to ask the notebook
@@ -357,7 +384,7 @@ class Session:
                 f"the debugger ended with an error on rank {target}: {reply.failure.exception_type}: "
                 f"{reply.failure.message}. The session goes on."
             )
-        kind, text = cloudpickle.loads(reply.value or cloudpickle.dumps(("done", "")))
+        kind, text = read_debug(reply)
         if kind == "nothing":
             raise SessionError(text)
         _write(text)
@@ -366,15 +393,13 @@ class Session:
         """Completions of ``token`` (``x``, ``model.lay``) from every rank's namespace, as
         (text, type); a name only some ranks have says which."""
         replies = self._roundtrip(self._all(), lambda seq: Complete(seq, token))
-        return merge(
-            [cloudpickle.loads(replies[r].value or cloudpickle.dumps([])) for r in self._all()]
-        )
+        return merge([read_completions(replies[r]) for r in self._all()])
 
     def describe_name(self, name: str) -> str | None:
         """Type, signature and docstring of ``name`` on the first rank that has it (None: none has)."""
         replies = self._roundtrip(self._all(), lambda seq: Describe(seq, name))
         for rank in self._all():
-            text = cloudpickle.loads(replies[rank].value or cloudpickle.dumps(None))
+            text = read_description(replies[rank])
             if text is not None:
                 return text if rank == 0 else f"(from rank {rank}; rank 0 has no {name})\n{text}"
         return None
@@ -428,7 +453,7 @@ class Session:
             )
         if not self.alive or self._ranks is None:
             raise SessionError(
-                f"the session has no usable ranks: {self._why_unusable()}. {_RESTART_HINT}; names defined on the old ranks are lost."
+                f"the session has no usable ranks: {self._why_unusable()}. {RESTART_HINT}; names defined on the old ranks are lost."
             )
         return self._ranks
 
@@ -443,181 +468,26 @@ class Session:
         self, targets: list[int], make: Callable[[int], Command], timeout: float | None = None
     ) -> dict[int, Reply]:
         ranks = self._check_usable()
-        self._seq += 1
-        seq = self._seq
         self._bars.new_cell()
-        presses = StopPresses()
-        self._stopped_where, self._timed_out = [], False
-        ranks.pumping.acquire()
+        self._let_go_of_presses()
+        trip = CellRoundTrip(ranks, self._all(), self._counters, self._hooks)
         try:
-            for rank in targets:
-                ranks.send(rank, make(seq))
-            deadline = None if timeout is None else time.monotonic() + timeout
-            replies, user_interrupt, still_running = self._collect(
-                ranks, seq, targets, presses, deadline
-            )
-            ranks.drain()
-            for reply in replies.values():
-                self._owned.update(reply.owned)
-            # A cell that failed or was interrupted on some rank may have left a collective
-            # half-done (queued on one rank, never joined by another): every rank replaces its
-            # process group, so the next cell's collectives pair up again.
-            regrouped = self.plan.num_processes > 1 and any(
-                reply.failure is not None or reply.group_broken for reply in replies.values()
-            )
-            if regrouped:
-                self._regroup(ranks, presses)
-            if user_interrupt or presses.installed:
-                raise KeyboardInterrupt(
-                    f"the cell was interrupted on rank(s) {rank_names(targets)}"
-                    + ("; the process group was rebuilt" if regrouped else "")
-                    + "; the session is ready for the next cell."
-                    + self._where_stopped()
-                )
-            if self._timed_out:
-                raise SessionTimeoutError(
-                    f"the cell ran past its timeout of {timeout:g}s and was interrupted on rank(s) "
-                    f"{rank_names(r for r in targets if replies[r].interrupted)}"
-                    + ("; the process group was rebuilt" if regrouped else "")
-                    + "; the session is ready for the next cell."
-                    + self._where_stopped()
-                )
-            failed = [
-                r for r in targets if replies[r].failure is not None and not replies[r].interrupted
-            ]
-            if failed:
-                self._failed_rank = min(failed, key=lambda r: replies[r].failure.time)  # type: ignore[union-attr]
-                raise cell_error(replies, failed, still_running, regrouped, self.pids)
-            return replies
+            return trip.run(targets, make, timeout)
         finally:
-            ranks.pumping.release()
-            if presses.installed:
-                self.hold_interrupts(presses.release)
+            self._owned.update(trip.owned)
+            if trip.failed_rank is not None:
+                self._failed_rank = trip.failed_rank
+            if trip.presses.installed:
+                trip.presses.returned()
+                self._held = trip.presses
+                self.hold_interrupts(trip.presses.release)
 
-    def _collect(
-        self,
-        ranks: SessionRanks,
-        seq: int,
-        targets: list[int],
-        presses: StopPresses,
-        deadline: float | None,
-    ) -> tuple[dict[int, Reply], bool, list[int]]:
-        """Wait for every target's answer, a rank's death, an interrupt or the deadline."""
-        pending = list(targets)
-        replies: dict[int, Reply] = {}
-        user_interrupt = False
-        interrupted_at: float | None = None
-        interrupted: list[int] = []  # still running when another rank failed
-        warned = False
-        while pending:
-            wake = _WAKE_S
-            if deadline is not None and interrupted_at is None:
-                wake = max(min(_WAKE_S, deadline - time.monotonic()), 0.001)
-            try:
-                ranks.pump(lambda: any((r, seq) in ranks.replies for r in pending), timeout=wake)
-            except KeyboardInterrupt:
-                if user_interrupt:  # pressed again after the ranks were declared stuck
-                    raise self._stopped_stuck(pending) from None
-                user_interrupt = True
-                presses.install()  # later presses are counted, not raised
-                if interrupted_at is None:
-                    self._note_where(ranks, pending)
-                ranks.interrupt(pending, seq)
-                interrupted_at = time.monotonic()
-                continue
-            if (
-                deadline is not None
-                and interrupted_at is None
-                and pending
-                and time.monotonic() >= deadline
-            ):
-                self._timed_out = True
-                self._note_where(ranks, pending)
-                ranks.interrupt(pending, seq)
-                interrupted_at = time.monotonic()
-            for rank in list(pending):
-                reply = ranks.replies.pop((rank, seq), None)
-                if reply is None:
-                    continue
-                replies[rank] = reply
-                pending.remove(rank)
-                if (
-                    reply.failure is not None
-                    and not reply.interrupted
-                    and interrupted_at is None
-                    and pending
-                ):
-                    interrupted = list(pending)
-                    ranks.interrupt(pending, seq)
-                    interrupted_at = time.monotonic()
-            if ranks.exited or self._stopped_from_outside:
-                self._end()
-                if self._stopped_from_outside:
-                    raise LaunchStoppedError(
-                        "the session was stopped from the JupyterLab sidebar; its ranks are gone. "
-                        f"{_RESTART_HINT}."
-                    )
-                raise self._death_error(during="while running the cell")
-            if (
-                interrupted_at is not None
-                and not warned
-                and time.monotonic() - interrupted_at > _STUCK_AFTER_S
-            ):
-                warned = True
-                presses.ending = True
-                print(
-                    f"notebook_launcher: rank(s) {rank_names(pending)} did not stop within "
-                    f"{_STUCK_AFTER_S:g}s of the interrupt. Interrupt the kernel again to stop "
-                    "every rank (the session then needs a restart).",
-                    file=sys.stderr,
-                )
-        return replies, user_interrupt, interrupted
-
-    def _regroup(self, ranks: SessionRanks, presses: StopPresses) -> None:
-        """Every rank replaces its process group, after a collective was cut short."""
-        self._generation += 1
-        self._seq += 1
-        seq, everyone = self._seq, self._all()
-        for rank in everyone:
-            ranks.send(rank, Regroup(seq, self._generation))
-        pressed_at: float | None = None
-        while not all((r, seq) in ranks.replies for r in everyone) and not ranks.any_ended():
-            try:
-                ranks.pump(
-                    lambda: all((r, seq) in ranks.replies for r in everyone), timeout=_WAKE_S
-                )
-            except KeyboardInterrupt:
-                if pressed_at is not None:  # pressed again after the ranks were declared stuck
-                    raise self._stopped_stuck(everyone) from None
-                presses.install()
-                pressed_at = time.monotonic()
-            if (
-                pressed_at is not None
-                and not presses.ending
-                and time.monotonic() - pressed_at > _STUCK_AFTER_S
-            ):
-                presses.ending = True
-                print(
-                    f"notebook_launcher: the process group was not rebuilt within {_STUCK_AFTER_S:g}s "
-                    "of the interrupt. Interrupt the kernel again to stop every rank (the session "
-                    "then needs a restart).",
-                    file=sys.stderr,
-                )
-        replies = [ranks.replies.pop((r, seq), None) for r in everyone]
-        if ranks.exited or any(reply is None or reply.failure is not None for reply in replies):
-            why = next(
-                (
-                    f" (rank {r}: {reply.failure.exception_type}: {reply.failure.message})"
-                    for r, reply in zip(everyone, replies)
-                    if reply is not None and reply.failure is not None
-                ),
-                "",
-            )
-            self._end("its process group could not be rebuilt")
-            raise SessionError(
-                "a collective was interrupted and left the process group broken, and it could "
-                f"not be rebuilt{why}. {_RESTART_HINT}; names defined on the old ranks are lost."
-            )
+    def _let_go_of_presses(self) -> None:
+        """The last call's hold on stop presses ends when the next call starts, whoever was
+        to release it (a widget's callback has no cell whose end would)."""
+        held, self._held = self._held, None
+        if held is not None and threading.current_thread() is threading.main_thread():
+            held.release()
 
     def _end(self, reason: str = "its ranks were stopped") -> None:
         """A rank died (or the session was stopped): the others are stopped, the session unusable."""
@@ -630,28 +500,6 @@ class Session:
             self._ended = reason
         self._release()
 
-    def _note_where(self, ranks: SessionRanks, pending: list[int]) -> None:
-        """Where the ranks are, looked at before an interrupt unwinds their stacks."""
-        looked = ranks.look(pending)
-        self._stopped_where = [where_text(rank, looked[rank]) for rank in pending]
-
-    def _where_stopped(self) -> str:
-        if not self._stopped_where:
-            return ""
-        return "\nWhere each rank was when it was stopped:\n" + "\n".join(self._stopped_where)
-
-    def _stopped_stuck(self, pending: list[int]) -> KeyboardInterrupt:
-        """The stop button, pressed again after the ranks did not come back: end the session."""
-        self._end(
-            f"it was stopped from the notebook while rank(s) {rank_names(pending)} did not come back "
-            "from an interrupt"
-        )
-        return KeyboardInterrupt(
-            f"stopped every rank of the session: rank(s) {rank_names(pending)} did not come back from "
-            f"the interrupt. {_RESTART_HINT}; names defined on the old ranks are lost."
-            + self._where_stopped()
-        )
-
     def _death_error(self, during: str) -> RankFailedError:
         ranks = self._ranks
         failures = sorted(
@@ -659,10 +507,10 @@ class Session:
             key=lambda f: f.time,
         )
         if not failures:
-            return RankFailedError(f"the session's ranks ended {during}. {_RESTART_HINT}.", [])
+            return RankFailedError(f"the session's ranks ended {during}. {RESTART_HINT}.", [])
         root = failures[0]
         lines = [
-            f"{root.summary()} {during}; the session's other ranks were stopped. {_RESTART_HINT}; "
+            f"{root.summary()} {during}; the session's other ranks were stopped. {RESTART_HINT}; "
             "names defined on the old ranks are lost."
         ]
         if root.traceback:
@@ -688,6 +536,6 @@ def make_plan(
         start_method=start_method,
         output=output,
         return_all=True,
-        monitor_interval=_WAKE_S,
+        monitor_interval=WAKE_S,
     )
     return resolve_plan(call, effective_defaults(), detect_hardware(), KernelState.detect())

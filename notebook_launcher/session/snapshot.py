@@ -1,6 +1,6 @@
 """What a rank is doing right now: where its code is, how long it has run, what it holds.
 
-Taken on the rank by a side thread (see ``worker._SignalWatch``) when the kernel asks with
+Taken on the rank by a side thread (see ``rank_signals.SignalWatch``) when the kernel asks with
 SIGUSR1, from ``sys._current_frames()``: a main thread blocked inside a C++ collective still
 shows its Python frames, so a rank stuck in ``all_reduce`` can say so. Nothing here runs
 unless asked; a cell pays nothing for it.
@@ -20,6 +20,8 @@ import time
 from types import FrameType
 from typing import Any, Callable
 
+from notebook_launcher.session.protocol import Snapshot
+
 _CELL_NAME = re.compile(r"In\[(\d+)\]\Z")
 _COLLECTIVES = os.sep + os.path.join("torch", "distributed") + os.sep
 
@@ -30,20 +32,6 @@ class Running:
 
     what: str  # "cell 5", "a function", "push", ...
     started: float  # time.monotonic() on the rank
-
-
-@dataclasses.dataclass(frozen=True)
-class Snapshot:
-    """One rank's answer to "what are you doing?"."""
-
-    pid: int
-    running: str | None  # what it runs (see Running.what); None: idle, waiting for the kernel
-    running_s: float | None  # for how long
-    where: str  # "cell 5, line 3, in time.sleep"; empty when idle
-    rss_bytes: int
-    cpu_percent: float  # of one core, since the rank was last asked (or since it started)
-    cuda_allocated_bytes: int | None = None  # None: no CUDA on this rank
-    cuda_reserved_bytes: int | None = None
 
 
 def cell_label(filename: str) -> str:

@@ -15,8 +15,6 @@ import contextlib
 import linecache
 import os
 import signal
-import socket
-import stat
 import sys
 import threading
 import time
@@ -31,7 +29,8 @@ from notebook_launcher import rank_env
 from notebook_launcher.launcher import rank as rank_runner
 from notebook_launcher.session import rich_output
 from notebook_launcher.session.completion import complete, describe
-from notebook_launcher.session.debugging import DebugPrompt, LastFailure, post_mortem
+from notebook_launcher.session.debugging import LastFailure, post_mortem
+from notebook_launcher.session.groups import GroupTracker
 from notebook_launcher.session.protocol import (
     Call,
     Command,
@@ -39,6 +38,7 @@ from notebook_launcher.session.protocol import (
     Debug,
     Describe,
     Execute,
+    FromRank,
     Interrupt,
     Join,
     Pull,
@@ -48,17 +48,18 @@ from notebook_launcher.session.protocol import (
     RemoteRepr,
     Reply,
     Shutdown,
+    completions_value,
+    debug_value,
+    description_value,
+    execute_value,
 )
-from notebook_launcher.session.snapshot import Running, Snapshot, SnapshotTaker, cell_label
+from notebook_launcher.session.rank_signals import SignalWatch, nothing_to_do_here
+from notebook_launcher.session.snapshot import Running, SnapshotTaker, cell_label
 
 if TYPE_CHECKING:
     from notebook_launcher.launcher.backends.base import RankEnds
     from notebook_launcher.launcher.rank import RankSpec
 
-# How long an interrupted cell may take to reach Python code again before the rank cuts
-# its process group's connections (a collective blocked in C++ never sees the signal).
-# Short: the kernel rebuilds the group after every interrupted cell anyway.
-BREAK_AFTER_S = 0.25
 BASE_NAMES = ("rank", "local_rank", "world_size", "device", "torch")
 
 
@@ -84,8 +85,9 @@ def serve(commands: Connection) -> None:
 class Worker:
     def __init__(self, secret: bytes) -> None:
         # SIGUSR1 asks what the rank is doing; only the side thread takes it, so a main
-        # thread inside a C++ collective is never woken by it (see _SignalWatch).
-        signal.signal(signal.SIGUSR1, _nothing_to_do_here)
+        # thread inside a C++ collective is never woken by it (see SignalWatch). Blocked
+        # before torch starts its threads, which inherit the mask.
+        signal.signal(signal.SIGUSR1, nothing_to_do_here)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
         import torch
         import torch.distributed as dist
@@ -114,7 +116,7 @@ class Worker:
             is_master=False,
             timeout=timedelta(seconds=300),
         )
-        self._group_sockets: set[tuple[int, int]] = set()  # (descriptor, inode)
+        self.groups = GroupTracker(dist)
         self._init_group(0)
         rich_output.start(send)
         self.running: Running | None = None  # the command the main thread runs now
@@ -122,55 +124,54 @@ class Worker:
         self.last_failure: LastFailure | None = None  # of the last cell (or call), for the debugger
         self.last_ran: str | None = None  # what the last cell (or call) was
         self._snapshots = SnapshotTaker(threading.main_thread().ident or 0)
-        self.interrupts = _SignalWatch(self._break_group, self._send_snapshot)
+        self.interrupts = SignalWatch(self._break_group, self._send_snapshot)
         self._commands: Connection | None = None  # the kernel's commands, once serving
         self._waiting: collections.deque[Command] = collections.deque()  # read early, not run yet
+        # What each command does; its reply's value (see protocol for each shape).
+        self._handlers: dict[type, Callable[[Any], bytes | None]] = {
+            Execute: self._execute,
+            Call: self._call,
+            Push: self._push,
+            Pull: self._pull,
+            Regroup: lambda command: self._regroup(command.generation),
+            Complete: lambda command: completions_value(complete(self.namespace, command.token)),
+            Describe: lambda command: description_value(describe(self.namespace, command.name)),
+            Debug: lambda command: debug_value(*self._debug(command.seq)),
+        }
 
     # The process group -------------------------------------------------------------
 
     def _init_group(self, generation: int) -> None:
         from notebook_launcher.launcher.sealed_store import SealedStore
 
-        before = _tcp_sockets()
         backend = "nccl" if self.accelerator == "cuda" else "gloo"
         # Held here too: torch keeps only the C++ half of a Store written in Python.
         self._sealed_store = SealedStore(self._store, self._secret, generation)
-        self._dist.init_process_group(
-            backend,
+        self.groups.init_default(
+            backend=backend,
             store=self._sealed_store,
             rank=self.rank,
             world_size=self.world_size,
             device_id=self.namespace["device"] if backend == "nccl" else None,
         )
-        self._group_sockets = _tcp_sockets() - before
         self.group_broken = False
 
     def _break_group(self) -> None:
-        """Make a collective that waits for a rank that will never come fail now."""
+        """Make a collective that waits for a rank that will never come fail now, in any of
+        the rank's groups."""
         self.group_broken = True
         if self.accelerator == "cuda":
-            with contextlib.suppress(Exception):
-                self._dist.distributed_c10d._get_default_group().abort()
-            return
-        # Gloo has no working abort for a pending wait; cutting its peer connections
-        # ends the wait with "Connection closed by peer" at once.
-        for fd, inode in self._group_sockets:
-            with contextlib.suppress(OSError):
-                if os.fstat(fd).st_ino != inode:
-                    continue  # closed since, and the descriptor reused: not the group's
-                peer = socket.socket(fileno=os.dup(fd))
-                try:
-                    peer.shutdown(socket.SHUT_RDWR)
-                finally:
-                    peer.close()
+            self.groups.abort()
+        else:
+            # Gloo has no working abort for a pending wait; cutting its peer connections
+            # ends the wait with "Connection closed by peer" at once.
+            self.groups.cut()
 
     def _regroup(self, generation: int) -> None:
-        # A collective may still be queued in the old group (the cell was interrupted
-        # around it); cut it off first, or destroying the group would wait for it forever.
+        # A collective may still be queued in an old group (the cell was interrupted around
+        # it); cut it off first, or destroying the group would wait for it forever.
         self._break_group()
-        with contextlib.suppress(Exception):
-            self._dist.destroy_process_group()
-        self._init_group(generation)
+        self.groups.rebuild(lambda: self._init_group(generation), self.namespace)
 
     # Commands ------------------------------------------------------------------------
 
@@ -249,40 +250,37 @@ class Worker:
         return interrupted
 
     def _run(self, command: Command) -> bytes | None:
-        if isinstance(command, Execute):
-            self._inject(cloudpickle.loads(command.names))
-            self.cell_files.add(command.filename)
-            last = run_cell(command.code, command.filename, self.namespace)
-            returned = {}
-            for name in command.returns:
-                if name not in self.namespace:
-                    raise NameError(
-                        f"--return {name}: name {name!r} is not defined on rank {self.rank}"
-                    )
-                returned[name] = _dumps(self.namespace[name])
-            return cloudpickle.dumps((_dumps(last), returned))
-        if isinstance(command, Call):
-            function, args, kwargs = cloudpickle.loads(command.payload)
-            return _dumps(function(*args, **kwargs))
-        if isinstance(command, Push):
-            for name, value in cloudpickle.loads(command.names).items():
-                self.namespace[name] = value
-                self.injected.pop(name, None)  # pushed names are the rank's own from now on
-            return None
-        if isinstance(command, Pull):
-            if command.name not in self.namespace:
-                raise NameError(f"name {command.name!r} is not defined on rank {self.rank}")
-            return _dumps(self.namespace[command.name])
-        if isinstance(command, Regroup):
-            self._regroup(command.generation)
-            return None
-        if isinstance(command, Complete):
-            return cloudpickle.dumps(complete(self.namespace, command.token))
-        if isinstance(command, Describe):
-            return cloudpickle.dumps(describe(self.namespace, command.name))
-        if isinstance(command, Debug):
-            return cloudpickle.dumps(self._debug(command.seq))
-        raise TypeError(f"unknown command {command!r}")
+        handler = self._handlers.get(type(command))
+        if handler is None:
+            raise TypeError(f"unknown command {command!r}")
+        return handler(command)
+
+    def _execute(self, command: Execute) -> bytes:
+        self._inject(cloudpickle.loads(command.names))
+        self.cell_files.add(command.filename)
+        last = run_cell(command.code, command.filename, self.namespace)
+        returned = {}
+        for name in command.returns:
+            if name not in self.namespace:
+                raise NameError(
+                    f"--return {name}: name {name!r} is not defined on rank {self.rank}"
+                )
+            returned[name] = _dumps(self.namespace[name])
+        return execute_value(_dumps(last), returned)
+
+    def _call(self, command: Call) -> bytes:
+        function, args, kwargs = cloudpickle.loads(command.payload)
+        return _dumps(function(*args, **kwargs))
+
+    def _push(self, command: Push) -> None:
+        for name, value in cloudpickle.loads(command.names).items():
+            self.namespace[name] = value
+            self.injected.pop(name, None)  # pushed names are the rank's own from now on
+
+    def _pull(self, command: Pull) -> bytes:
+        if command.name not in self.namespace:
+            raise NameError(f"name {command.name!r} is not defined on rank {self.rank}")
+        return _dumps(self.namespace[command.name])
 
     def _debug(self, seq: int) -> tuple[str, str]:
         """("done", pdb's last output), or ("nothing", why there is nothing to debug)."""
@@ -363,144 +361,11 @@ def _what(command: Command) -> str:
     return f"a {type(command).__name__.lower()}"
 
 
-# Sent by the side thread to the main thread alone, to wake it from a blocking call; its
-# handler does nothing (the interrupt's own handler then runs). A real-time signal where
-# there are, as a program's own code seldom uses one.
-_WAKE_MAIN = signal.SIGRTMIN if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
-
-
-def _nothing_to_do_here(signum: int, frame: Any) -> None:
-    """The handler of signals whose effect is elsewhere: SIGUSR1 needs a Python handler for
-    Python to pass it to the side thread's wakeup descriptor, where it is answered; the
-    wake-up call only has to interrupt the main thread's blocking call."""
-
-
-class _SignalWatch:
-    """A side thread that sees the rank's signals even while the main thread is stuck in C++.
-
-    SIGINT, the kernel's interrupt, becomes a KeyboardInterrupt while a command runs, and
-    breaks the process group when the command does not come back to Python in time.
-    SIGUSR1 asks what the rank is doing: the thread sends a snapshot of the main thread.
-    """
-
-    _installed: _SignalWatch | None = None  # a process has one: it owns the process's SIGINT
-
-    @classmethod
-    def whole_messages_of_this_process(cls) -> Any:
-        watch = cls._installed
-        return contextlib.nullcontext() if watch is None else watch.whole_messages()
-
-    def __init__(self, break_group: Callable[[], None], answer: Callable[[], None]) -> None:
-        self._break_group = break_group
-        self._answer = answer
-        self._running = False
-        self.signalled = False  # an interrupt arrived while the current command ran
-        self._deferring = 0  # depth of whole_messages() blocks in the main thread
-        self._deferred = False  # an interrupt came in such a block
-        self._idle = threading.Event()
-        self._idle.set()
-        read_fd, self._write_fd = os.pipe()
-        os.set_blocking(self._write_fd, False)
-        signal.signal(signal.SIGINT, self._on_signal)
-        signal.signal(_WAKE_MAIN, _nothing_to_do_here)
-        self._main = threading.main_thread().ident or 0
-        # Python's C-level handler writes here even while the main thread is stuck in C++.
-        signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
-        self._thread = threading.Thread(
-            target=self._watch, args=(read_fd,), name="notebook_launcher-interrupt", daemon=True
-        )
-        self._thread.start()
-        _SignalWatch._installed = self
-
-    @contextlib.contextmanager
-    def running(self) -> Any:
-        self.signalled = self._deferred = False
-        self._idle.clear()
-        self._running = True
-        try:
-            yield
-        finally:
-            self._running = False
-            self._idle.set()
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        if self._running:
-            self.signalled = True
-            if self._deferring:
-                self._deferred = True
-                return
-            raise KeyboardInterrupt
-
-    @contextlib.contextmanager
-    def whole_messages(self) -> Any:
-        """The main thread's reads and writes of a pipe message finish before an interrupt
-        is raised: a message cut in half would garble every one after it. An interrupt that
-        came meanwhile is raised when the block ends (if the command still runs)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield  # the handler raises in the main thread only
-            return
-        self._deferring += 1
-        try:
-            yield
-        finally:
-            self._deferring -= 1
-        if not self._deferring and self._deferred:
-            self._deferred = False
-            if self._running:
-                raise KeyboardInterrupt
-
-    def _watch(self, read_fd: int) -> None:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})  # blocked in the main thread
-        while True:
-            data = os.read(read_fd, 64)
-            if not data:
-                return
-            if signal.SIGUSR1 in data:
-                self._answer()
-            if signal.SIGINT not in data or self._idle.is_set():
-                continue
-            self.signalled = True
-            # The kernel's SIGINT goes to the process, and Linux may hand it to any thread
-            # that does not block it (this one, torch's, the memory reporter's). Python then
-            # runs the handler in the main thread only when that thread next wakes: a main
-            # thread asleep (time.sleep, a lock, a socket) would not see it until it wakes by
-            # itself. A signal sent to the main thread alone wakes it, to run the handler.
-            with contextlib.suppress(OSError):
-                signal.pthread_kill(self._main, _WAKE_MAIN)
-            if not self._idle.wait(BREAK_AFTER_S):
-                self._break_group()
-
-
-def send(message: Ready | Reply | Snapshot | DebugPrompt | rich_output.RichOutput) -> None:
+def send(message: FromRank) -> None:
     """Over the launcher's rank -> kernel channel, which carries any picklable message;
     written whole, even when the kernel's interrupt comes meanwhile."""
-    with _SignalWatch.whole_messages_of_this_process():
+    with SignalWatch.whole_messages_of_this_process():
         rank_runner.send(message)  # type: ignore[arg-type]
-
-
-def _tcp_sockets() -> set[tuple[int, int]]:
-    """This process's connected TCP sockets, by descriptor and inode: an old group's socket
-    closed late frees a descriptor that a new group's socket may take."""
-    found = set()
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        with contextlib.suppress(OSError):
-            info = os.fstat(fd)
-            if not stat.S_ISSOCK(info.st_mode):
-                continue
-            probe = socket.socket(fileno=os.dup(fd))
-            try:
-                if (
-                    probe.family in (socket.AF_INET, socket.AF_INET6)
-                    and probe.type == socket.SOCK_STREAM
-                    # Connections only: cutting gloo's listening socket aborts the process.
-                    and not probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-                ):
-                    probe.getpeername()  # raises when not connected
-                    found.add((fd, info.st_ino))
-            finally:
-                probe.close()
-    return found
 
 
 def _dumps(value: Any) -> bytes:

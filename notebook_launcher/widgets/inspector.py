@@ -21,7 +21,7 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 
-from notebook_launcher.session.value_summaries import ValueSummary
+from notebook_launcher.value_summaries import ValueSummary
 from notebook_launcher.widgets.ownership import Ownership, from_shards
 
 EQUAL_COLOUR = "#2ca02c"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 
 import cloudpickle
@@ -139,6 +140,30 @@ def test_the_stop_button_interrupts_every_rank_and_the_session_survives():
         assert session.alive
         assert session.execute("y") == [0, 1]
         assert session.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
+
+
+def test_a_hold_on_stop_presses_that_nobody_lets_go_of_ends_with_the_next_call():
+    """As in a widget's callback: no cell ends around the call, so nobody releases the hold
+    that counts the presses after the first; the next call's stop press must still stop it."""
+    seen: list[int] = []
+
+    class StopButton:
+        """Presses stop (SIGINT to the kernel's process) once both ranks sleep."""
+
+        def on_event(self, event):
+            if isinstance(event, OutputLine) and "sleeping" in event.text:
+                seen.append(event.rank)
+                if len(seen) % 2 == 0:
+                    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    sleeping = "import time\nprint('sleeping', flush=True)\ntime.sleep(60)"  # 60: a safety net
+    with Session(num_processes=2, hardware="cpu", observers=[StopButton()]) as session:
+        session.hold_interrupts = lambda release: None
+        for _ in range(2):
+            with pytest.raises(KeyboardInterrupt, match=r"^the cell was interrupted on rank"):
+                session.execute(sleeping)
+        assert session.execute("rank") == [0, 1]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_a_rank_killed_between_calls_is_noticed_and_named_then_restart_works():
@@ -454,8 +479,7 @@ def test_a_command_queued_behind_the_one_a_rank_starts_is_run_after_it_not_lost(
     # Starting a command, a rank looks at what waits behind it for an interrupt of that
     # command; anything else found there must still run, or its caller waits forever.
     ranks = session._ranks
-    first, second = session._seq + 1, session._seq + 2
-    session._seq = second
+    first, second = session._counters.next_seq(), session._counters.next_seq()
     pid = session.pids[0]
     os.kill(pid, signal.SIGSTOP)  # both commands wait in the pipe when it reads the first
     try:

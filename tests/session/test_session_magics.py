@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from IPython.testing.globalipapp import start_ipython
 
-from notebook_launcher import RankFailedError, SessionError
+from notebook_launcher import RankFailedError, Session, SessionError
 from notebook_launcher.errors import LaunchConfigError
 from notebook_launcher.session.magics import DistributedMagics, DistributedUsageError
 
@@ -137,3 +137,15 @@ def test_a_cell_magic_inside_a_distributed_cell_is_refused(ip):
         match=r"^%%distributed: the cell uses IPython syntax \(a cell magic such as %%time\), which the ranks cannot run",
     ):
         ip.run_cell_magic("distributed", "", "%%time\nx = 1\ny = 2")
+
+
+def test_the_magics_session_is_reachable_from_code_for_its_status_and_where(ip):
+    ip.run_line_magic("distributed", "start -n 2 --hardware cpu")
+    ip.run_cell("from notebook_launcher import Session\nfound = Session.current()")
+    found = ip.user_ns["found"]
+    assert found is magics(ip).session
+    assert [row["rank"] for row in found.status()] == [0, 1]
+    assert found.where() == [f"rank {r}: idle, waiting for the next cell" for r in (0, 1)]
+    ip.run_line_magic("distributed", "stop")
+    with pytest.raises(SessionError, match=r"^no session was started by the magics in this kernel"):
+        Session.current()

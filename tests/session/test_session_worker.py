@@ -163,7 +163,8 @@ def _store_keys(store) -> list[str]:
 
 
 def test_a_status_line_shows_state_pid_memory_cpu_and_cuda_memory_on_gpu_ranks():
-    from notebook_launcher.session.snapshot import Snapshot, status_line, status_row, where_text
+    from notebook_launcher.session.protocol import Snapshot
+    from notebook_launcher.session.snapshot import status_line, status_row, where_text
 
     gpu = Snapshot(
         pid=7,
@@ -194,7 +195,8 @@ _INTERRUPT_WHILE_READING = r"""
 import collections, signal, threading
 from multiprocessing import Pipe
 from notebook_launcher.session.protocol import Execute, Interrupt
-from notebook_launcher.session.worker import Worker, _SignalWatch
+from notebook_launcher.session.rank_signals import SignalWatch
+from notebook_launcher.session.worker import Worker
 
 class InterruptedWhileReading:
     # The kernel's SIGINT, landing in the middle of reading each message.
@@ -211,7 +213,7 @@ for message in (Execute(8, "x = 1", "In[2]", b"", ()), Interrupt(7)):
     theirs.send(message)
 worker = Worker.__new__(Worker)
 worker._commands, worker._waiting = InterruptedWhileReading(ours), collections.deque()
-worker.interrupts = _SignalWatch(lambda: None, lambda: None)
+worker.interrupts = SignalWatch(lambda: None, lambda: None)
 try:
     with worker.interrupts.running():
         worker._interrupt_queued(8)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from notebook_launcher.errors import LaunchTypeError
-from notebook_launcher.session.value_summaries import (
+from notebook_launcher.value_summaries import (
     GRID_COLS,
     GRID_ROWS,
     check_names,
@@ -237,7 +237,7 @@ def test_a_ten_million_element_tensor_sends_only_its_summary_through_the_session
     assert kernel.run("%%distributed\nbig = torch.randn(10_000_000) + rank").error is None
     cell = kernel.run(
         "import pickle\n"
-        "from notebook_launcher.session.value_summaries import collect\n"
+        "from notebook_launcher.value_summaries import collect\n"
         "session = get_ipython().magics_manager.registry['DistributedMagics'].session\n"
         "summaries = collect(session, ['big'])['big']\n"
         "print('travelled', max(len(pickle.dumps(s)) for s in summaries), [s.numel for s in summaries])\n"

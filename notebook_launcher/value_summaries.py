@@ -285,7 +285,7 @@ def collect(
     checked = check_names(names)
     # Through an ordinary execute: the summary is the cell's last expression.
     code = (
-        "__import__('notebook_launcher.session.value_summaries', fromlist=['summarize_names'])"
+        "__import__('notebook_launcher.value_summaries', fromlist=['summarize_names'])"
         f".summarize_names(globals(), {checked!r})"
     )
     saved = session.returned, session.returned_rank
