@@ -36,7 +36,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.kernel_driver import RunningKernel
+from tests.support.kernel_driver import RunningKernel
 
 LAUNCHES = """
 import json, os, threading, time

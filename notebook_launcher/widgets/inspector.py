@@ -1,6 +1,6 @@
 """The rank inspector's drawing: each rank's value side by side, as static HTML with SVG.
 
-Pure functions of the summaries the ranks sent (see ``session/value_summaries.py``). The result is
+Pure functions of the summaries the ranks sent (see ``value_summaries.py``). The result is
 an ordinary display output (HTML with the pictures as SVG images, and a plain-text twin), so it stays in the saved notebook
 and shows in nbconvert and on GitHub without a kernel. Every piece of user text is escaped,
 and the whole record is marked for MathJax to leave alone, so ``$`` stays a dollar sign.

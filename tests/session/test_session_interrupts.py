@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from .kernel_driver import CellRun, RunningKernel, run_ok, wait_for_output, with_session
+from tests.support.kernel_driver import (
+    CellRun,
+    RunningKernel,
+    run_ok,
+    wait_for_output,
+    with_session,
+)
 
 pytestmark = pytest.mark.kernel
 
