@@ -520,3 +520,15 @@ def test_zero_bars_are_visible_and_numbers_never_wrap_inside():
     assert len(heights) == 4 and min(heights) >= 3
     lists = render_html([("", stage("l", [list(range(100))]))])
     assert "break-all" not in page + lists and "overflow-wrap: break-word" in page + lists
+
+
+def test_every_block_of_a_timeline_is_labelled_and_the_axis_has_times():
+    from notebook_launcher.widgets.charts import Timeline
+
+    spans = [("rank 0", f"F{i}", i * 0.001, i * 0.001 + 0.0005) for i in range(1, 9)]
+    spans += [("rank 0", "B1", 0.01, 0.5), ("rank 1", "F1", 0.002, 0.003)]
+    page = Timeline("t", spans)._repr_html_()
+    svg = base64.b64decode(re.search(r'base64,([^"]+)"', page)[1]).decode()
+    labels = re.findall(r">([FB]\d)</text>", svg)
+    assert sorted(labels) == sorted(label for _, label, _, _ in spans)  # narrow ones too
+    assert "time since the first span (ms)" in svg and ">400</text>" in svg

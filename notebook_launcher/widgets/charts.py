@@ -166,17 +166,20 @@ class Timeline(_Shown):
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        left, width, row_h, top = 54, 520, 22, 4
+        left, width, row_h, lane_h = 54, 520, 22, 9
+        lanes = 2  # above each row: labels of blocks too narrow to hold their own
+        band = lanes * lane_h + row_h + 6
         whole = (self.end - self.start) or 1.0
         items = []
         for i, row in enumerate(self.rows):
-            y = top + i * (row_h + 6)
+            y = i * band + lanes * lane_h + 2
             items.append(
                 f'<rect x="{left}" y="{y}" width="{width}" height="{row_h}" fill="#fff" stroke="#bbb"/>'
             )
             items.append(
                 f'<text x="{left - 6}" y="{y + row_h / 2 + 3.5}" text-anchor="end" {_FONT}>{html.escape(row)}</text>'
             )
+            lane_free = [float("-inf")] * lanes  # where each lane's last label ends
             for r, label, s, e in self.spans:
                 if r != row:
                     continue
@@ -187,11 +190,24 @@ class Timeline(_Shown):
                     f'<rect x="{x:.2f}" y="{y + 2}" width="{w:.2f}" height="{row_h - 4}" fill="{fill}" stroke="#fff" '
                     f'stroke-width="0.8"><title>{html.escape(f"{row} {label}: {(e - s) * 1000:.2f} ms")}</title></rect>'
                 )
-                if w >= 6 * len(label) + 2:  # every label that fits is written
+                if w >= 6 * len(label) + 2:
                     items.append(
                         f'<text x="{x + w / 2:.2f}" y="{y + row_h / 2 + 3.5}" text-anchor="middle" fill="{ink}" {_FONT}>{html.escape(label)}</text>'
                     )
-        axis = top + len(self.rows) * (row_h + 6)
+                    continue
+                # Too narrow: the label goes above the row, in the first lane with room, with a
+                # tick down to its block. Every block keeps its name.
+                centre, half = x + w / 2, 2.6 * len(label) + 1
+                lane = next((k for k in range(lanes) if lane_free[k] <= centre - half), None)
+                if lane is None:
+                    lane = min(range(lanes), key=lambda k: lane_free[k])
+                lane_free[lane] = centre + half
+                ty = y - 2 - (lanes - 1 - lane) * lane_h
+                items.append(
+                    f'<line x1="{centre:.2f}" x2="{centre:.2f}" y1="{ty + 1:.1f}" y2="{y + 2}" stroke="#888" stroke-width="0.6"/>'
+                    f'<text x="{centre:.2f}" y="{ty:.1f}" text-anchor="middle" fill="#222" font-family="sans-serif" font-size="8">{html.escape(label)}</text>'
+                )
+        axis = len(self.rows) * band
         items.append(
             f'<line x1="{left}" x2="{left + width}" y1="{axis}" y2="{axis}" stroke="#555"/>'
         )
