@@ -492,10 +492,7 @@ def test_11_end_to_end_against_one_process(run):
     )
     # One curve per rank of each rank's own loss; the global loss from rank 0 alone.
     page = next(r for r in records if "nl-plot" in r)
-    assert (
-        "rank 1, this rank&#x27;s loss" in page
-        or "rank 1, this rank's loss" in page
-    )
+    assert "rank 1, this rank&#x27;s loss" in page or "rank 1, this rank's loss" in page
     assert "rank 1, global loss" not in page and "previous launch: rank 0, global loss" in page
     assert errors(cells) == []
 
