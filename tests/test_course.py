@@ -144,7 +144,7 @@ def test_the_failures_notebook_installs_py_spy_wherever_its_program_is_missing()
     lines = install.splitlines()
     guard = next(i for i, line in enumerate(lines) if line.startswith('if shutil.which("py-spy"'))
     assert lines[guard + 1] == "    %pip install -q py-spy"  # not under the package's own guard
-    assert "py-spy" not in "\n".join(lines[:guard])
+    assert "notebook-launcher py-spy" not in install  # once skipped wherever the package imported
 
 
 def test_the_install_cell_installs_nothing_where_the_package_is_importable(kernel):
@@ -453,7 +453,9 @@ def test_10_tensor_and_pipeline_parallelism(run):
     assert weights["mlp.0.weight"][0] == "sharded: rows 0-3 | 4-7"  # column-parallel
     assert weights["mlp.2.weight"][0] == "sharded: columns 0-3 | 4-7"  # row-parallel
     assert "local shard of (4, 8) (Shard(dim=1))" in weights["mlp.2.weight"][1][1]
-    assert out.count("the pipeline's gradients equal the whole model's: True") == 2
+    assert (
+        out.count("the pipeline's gradients equal the whole model's: True") == 8
+    )  # 4 runs, 2 ranks
     timelines = [
         o
         for c in cells
