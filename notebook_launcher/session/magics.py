@@ -59,6 +59,7 @@ def _parsers() -> tuple[_Parser, _Parser]:
     show = commands.add_parser("show", add_help=False)
     show.add_argument("names", nargs="+")
     show.add_argument("--ranks", type=int, nargs="+", default=None)
+    show.add_argument("--per-rank", dest="per_rank", action="store_true")
     auto = commands.add_parser("auto", add_help=False)
     auto.add_argument("switch", choices=["on", "off"])
     debug = commands.add_parser("debug", add_help=False)
@@ -69,6 +70,7 @@ def _parsers() -> tuple[_Parser, _Parser]:
     cell.add_argument("--ranks", type=int, nargs="+", default=None)
     cell.add_argument("--return", dest="returns", nargs="+", default=[])
     cell.add_argument("--show", dest="show", nargs="+", default=[])
+    cell.add_argument("--per-rank", dest="per_rank", action="store_true")
     cell.add_argument("--timeout", type=float, default=None)
     cell.add_argument(
         "--auto", action="store_true", help=argparse.SUPPRESS
@@ -237,7 +239,10 @@ class DistributedMagics(Magics):
                 )
             session.push({n: self._shell.user_ns[n] for n in args.names})
         elif args.command == "show":
-            _display(session.show(*args.names, ranks=args.ranks))
+            shown = session.show(*args.names, ranks=args.ranks)
+            if args.per_rank:  # the values differ by design: said in neutral words
+                shown = type(shown)(shown.stages, per_rank=args.names)
+            _display(shown)
         elif args.command == "debug":
             try:
                 session.debug(args.rank)
@@ -339,7 +344,7 @@ class DistributedMagics(Magics):
             hidden=self._shell.user_ns_hidden,
         )
         ranks = args.ranks if args.ranks is not None else list(range(session.plan.num_processes))
-        shown = _ShownAround(session, args.show) if args.show else None
+        shown = _ShownAround(session, args.show, args.per_rank) if args.show else None
         try:
             values = session.execute(
                 code,
@@ -384,11 +389,12 @@ def _display(inspection: Any) -> Any:
 class _ShownAround:
     """``%%distributed --show NAME``: NAME on every rank before the cell, then before and after."""
 
-    def __init__(self, session: Session, names: list[str]) -> None:
+    def __init__(self, session: Session, names: list[str], per_rank: bool = False) -> None:
         from notebook_launcher.value_summaries import check_names
 
         self.session = session
         self.names = check_names(names)
+        self.per_rank = self.names if per_rank else ()
         self.before = session.show(*self.names).stages[0][1]
         self.handle = _display(self._inspection(None))
 
@@ -398,7 +404,7 @@ class _ShownAround:
         stages = [("before the cell", self.before)]
         if after is not None:
             stages.append(("after the cell", after))
-        return Inspection(stages)
+        return Inspection(stages, per_rank=self.per_rank)
 
     def after(self) -> None:
         if not self.session.alive:

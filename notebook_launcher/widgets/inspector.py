@@ -8,7 +8,10 @@ Colours diverge from white at zero (blue negative, red positive) on one scale pe
 every rank and stage, with a legend: equal values look equal on every rank and before and
 after a cell, and a darker colour always means a larger magnitude. A ``DTensor`` sharded
 across the ranks is said to be sharded (a neutral badge naming each rank's slices) and drawn
-whole, each element in its owner's colour: different shards are the point, not an error.
+whole, each element in its owner's colour: different shards are the point, not an error. The
+same neutral badge marks names the caller says differ by design (``per_rank``: a rank's own
+shard of the data, a reduce_scatter's output, gradients under ``no_sync``). Ranks' colours
+share nothing with the values' blue and red; a rank's part is drawn at the whole's scale.
 """
 
 from __future__ import annotations
@@ -28,7 +31,11 @@ EQUAL_COLOUR = "#2ca02c"
 DIFFER_COLOUR = "#d62728"
 MISSING_COLOUR = "#8c6d31"
 SHARDED_COLOUR = "#5b6b7f"  # neutral: shards are meant to differ
+PER_RANK_COLOUR = SHARDED_COLOUR  # neutral too: the caller said these values differ by design
 NAN_COLOUR = "#e377c2"
+INF_COLOUR = "#111111"
+# The heatmap's diverging scale: white at zero, blue for negative, red for positive.
+ZERO_RGB, NEGATIVE_RGB, POSITIVE_RGB = (247, 247, 247), (33, 102, 172), (178, 24, 43)
 _CARD = (
     "display: inline-block; vertical-align: top; margin: 0 8px 8px 0; padding: 6px 8px; "
     "border-radius: 6px; min-width: 120px; max-width: 260px; font-size: 12px; line-height: 1.4;"
@@ -45,22 +52,27 @@ class Verdict:
     equal: bool  # present on every rank shown, and the same everywhere
     odd: frozenset[int]  # ranks whose value differs from the most common one (or is missing)
     words: str
-    # "equal", "differs", "sharded" (a DTensor's shards: different by design) or "missing"
-    # (some rank lacks the name and the ranks that have it agree)
+    # "equal", "differs", "sharded" (a DTensor's shards: different by design), "per-rank"
+    # (different, and the caller said so) or "missing" (some rank lacks the name and the
+    # ranks that have it agree)
     state: str = "equal"
     ownership: Ownership | None = None
 
 
-_MARKS = {"equal": "=", "differs": "≠", "sharded": "⊞", "missing": "∅"}
+_MARKS = {"equal": "=", "differs": "≠", "sharded": "⊞", "per-rank": "∥", "missing": "∅"}
 _STATE_COLOURS = {
     "equal": EQUAL_COLOUR,
     "differs": DIFFER_COLOUR,
     "sharded": SHARDED_COLOUR,
+    "per-rank": PER_RANK_COLOUR,
     "missing": MISSING_COLOUR,
 }
 
 
-def verdict(summaries: Sequence[ValueSummary]) -> Verdict:
+def verdict(summaries: Sequence[ValueSummary], per_rank: bool = False) -> Verdict:
+    """``per_rank``: the values are meant to differ across the ranks (each rank's own part of
+    the data, a reduce_scatter's output): a difference is then said in neutral words, and no
+    rank is singled out. Equal values are still said to be equal."""
     present = [s for s in summaries if s.present]
     missing = [s.rank for s in summaries if not s.present]
     counts = Counter(s.key for s in present)
@@ -92,6 +104,10 @@ def verdict(summaries: Sequence[ValueSummary]) -> Verdict:
             else f"{lacking}; equal on the other {len(have)}"
         )
         return Verdict(False, frozenset(missing), words, "missing")
+    if per_rank and not missing:
+        return Verdict(
+            False, frozenset(), f"per rank, by design ({len(counts)} different values)", "per-rank"
+        )
     common, most = counts.most_common(1)[0]
     # Outlined: ranks apart from a majority. When every rank holds its own value, none is.
     apart = most > 1
@@ -154,20 +170,27 @@ class Inspection:
     summaries for code that wants the numbers.
     """
 
-    def __init__(self, stages: Sequence[tuple[str, dict[str, list[ValueSummary]]]]) -> None:
+    def __init__(
+        self,
+        stages: Sequence[tuple[str, dict[str, list[ValueSummary]]]],
+        per_rank: Sequence[str] = (),
+    ) -> None:
         self.stages = list(stages)
+        self.per_rank = frozenset(per_rank)  # names whose values differ by design
 
     def verdicts(self, stage: int = -1) -> dict[str, Verdict]:
-        return {name: verdict(s) for name, s in self.stages[stage][1].items()}
+        return {
+            name: verdict(s, name in self.per_rank) for name, s in self.stages[stage][1].items()
+        }
 
     def __repr__(self) -> str:
-        return render_text(self.stages)
+        return render_text(self.stages, self.per_rank)
 
     def _repr_pretty_(self, printer: object, cycle: bool) -> None:
         printer.text(repr(self))  # type: ignore[attr-defined]
 
     def _repr_html_(self) -> str:
-        return render_html(self.stages)
+        return render_html(self.stages, self.per_rank)
 
     def _repr_mimebundle_(self, include: object = None, exclude: object = None) -> dict[str, str]:
         return {"text/plain": repr(self), "text/html": self._repr_html_()}
@@ -176,11 +199,14 @@ class Inspection:
 # Plain text -----------------------------------------------------------------------------
 
 
-def render_text(stages: Sequence[tuple[str, dict[str, list[ValueSummary]]]]) -> str:
+def render_text(
+    stages: Sequence[tuple[str, dict[str, list[ValueSummary]]]],
+    per_rank: frozenset[str] = frozenset(),
+) -> str:
     lines: list[str] = []
     for label, names in stages:
         for name, summaries in names.items():
-            head = f"{name}: {verdict(summaries).words}"
+            head = f"{name}: {verdict(summaries, name in per_rank).words}"
             lines.append(f"{label}: {head}" if label else head)
             lines += [f"  rank {s.rank}: {describe(s)}" for s in summaries]
     return "\n".join(lines)
@@ -224,7 +250,10 @@ def _num(x: float) -> str:
 # HTML -------------------------------------------------------------------------------------
 
 
-def render_html(stages: Sequence[tuple[str, dict[str, list[ValueSummary]]]]) -> str:
+def render_html(
+    stages: Sequence[tuple[str, dict[str, list[ValueSummary]]]],
+    per_rank: frozenset[str] = frozenset(),
+) -> str:
     scales = _scales(stages)
     parts = [
         '<div class="notebook-launcher-inspector tex2jax_ignore mathjax_ignore" '
@@ -232,15 +261,19 @@ def render_html(stages: Sequence[tuple[str, dict[str, list[ValueSummary]]]]) -> 
     ]
     for label, names in stages:
         for name, summaries in names.items():
-            parts.append(_name_html(label, name, summaries, scales.get(name)))
+            parts.append(_name_html(label, name, summaries, scales.get(name), name in per_rank))
     parts.append("</div>")
     return "".join(parts)
 
 
 def _name_html(
-    label: str, name: str, summaries: list[ValueSummary], scale: tuple[float, float] | None
+    label: str,
+    name: str,
+    summaries: list[ValueSummary],
+    scale: tuple[float, float] | None,
+    per_rank: bool = False,
 ) -> str:
-    v = verdict(summaries)
+    v = verdict(summaries, per_rank)
     colour = _STATE_COLOURS[v.state]
     mark = _MARKS[v.state]
     stage = f'<span style="opacity: 0.7;">{html.escape(label)}:</span> ' if label else ""
@@ -261,6 +294,8 @@ def _name_html(
             s.rank in v.odd,
             scale,
             v.ownership.picture(s.rank) if v.ownership and s.present else "",
+            # A rank's part at the whole's scale: the part never looks larger than the whole.
+            v.ownership.cell() if v.ownership else None,
         )
         for s in summaries
     )
@@ -287,7 +322,11 @@ def _legend(scale: tuple[float, float]) -> str:
 
 
 def _card_html(
-    s: ValueSummary, odd: bool, scale: tuple[float, float] | None, owned: str = ""
+    s: ValueSummary,
+    odd: bool,
+    scale: tuple[float, float] | None,
+    owned: str = "",
+    cell: int | None = None,
 ) -> str:
     if not s.present:
         border = MISSING_COLOUR
@@ -302,11 +341,11 @@ def _card_html(
     elif s.kind == "tensor":
         body = (
             f'<div style="opacity: 0.75;">its part of the whole:</div>{owned}' if owned else ""
-        ) + _tensor_html(s, scale)
+        ) + _tensor_html(s, scale, cell)
     else:
         body = (
             f'<div style="opacity: 0.7;">{html.escape(s.type_name)}</div>'
-            f'<div style="{_MONO} white-space: pre-wrap; word-break: break-all; font-size: '
+            f'<div style="{_MONO} white-space: pre-wrap; overflow-wrap: break-word; font-size: '
             f'{"16px" if s.kind == "number" else "12px"};">{html.escape(s.text)}</div>'
         )
     return (
@@ -315,7 +354,9 @@ def _card_html(
     )
 
 
-def _tensor_html(s: ValueSummary, scale: tuple[float, float] | None) -> str:
+def _tensor_html(
+    s: ValueSummary, scale: tuple[float, float] | None, cell: int | None = None
+) -> str:
     shape = "(" + ", ".join(str(d) for d in s.shape) + ("," if len(s.shape) == 1 else "") + ")"
     lines = [f'<div style="{_MONO}">{html.escape(s.dtype)} {shape} {html.escape(s.device)}</div>']
     if s.note:
@@ -323,7 +364,7 @@ def _tensor_html(s: ValueSummary, scale: tuple[float, float] | None) -> str:
     if s.shape == ():
         lines.append(f'<div style="{_MONO} font-size: 16px;">{html.escape(s.text)}</div>')
     elif s.grid:
-        lines.append(_svg(s, scale))
+        lines.append(_svg(s, scale, cell))
         if s.grid_note:
             lines.append(
                 f'<div style="opacity: 0.65; font-size: 11px;">{html.escape(s.grid_note)}</div>'
@@ -334,7 +375,10 @@ def _tensor_html(s: ValueSummary, scale: tuple[float, float] | None) -> str:
         shown = ", ".join(_short(e) for e in s.elements[:limit]) + (
             ", …" if len(s.elements) > limit else ""
         )
-        lines.append(f'<div style="{_MONO} word-break: break-all;">[{html.escape(shown)}]</div>')
+        # Lines break between numbers, never inside one.
+        lines.append(
+            f'<div style="{_MONO} overflow-wrap: break-word;">[{html.escape(shown)}]</div>'
+        )
     elif s.numel > _SHOWN_ELEMENTS:
         lines.append(f"<div>{s.numel:,} elements</div>")
     stats = _stats(s)
@@ -348,6 +392,26 @@ def _short(element: str) -> str:
         return f"{float(element):.4g}"
     except ValueError:  # True, 1+2j
         return element
+
+
+def label(x: float) -> str:
+    """A number in a heatmap's cell: three significant figures, its magnitude kept, in at
+    most six characters: -2.179 -> "-2.18", 12345 -> "1.23e4", 0.0004 -> "4e-4"."""
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "∞" if x > 0 else "-∞"
+    if x == 0:
+        return "0"
+    sign = "-" if x < 0 else ""
+    magnitude = abs(x)
+    if 0.01 <= magnitude < 1000:
+        digits = f"{magnitude:.3g}"
+        if "e" not in digits:  # 999.7 rounds to 1e+03 in .3g: written below
+            return sign + digits
+    mantissa, exponent = f"{magnitude:.2e}".split("e")
+    mantissa = mantissa.rstrip("0").rstrip(".")
+    return f"{sign}{mantissa}e{int(exponent)}"
 
 
 def _scales(
@@ -378,8 +442,8 @@ def _colour(x: float, scale: tuple[float, float]) -> str:
         return "#f7f7f7"
     t = max(-1.0, min(1.0, x / bound))
     if t < 0:
-        return _mix((247, 247, 247), (33, 102, 172), -t)
-    return _mix((247, 247, 247), (178, 24, 43), t)
+        return _mix(ZERO_RGB, NEGATIVE_RGB, -t)
+    return _mix(ZERO_RGB, POSITIVE_RGB, t)
 
 
 def _ink(fill: str) -> str:
@@ -393,28 +457,37 @@ def _mix(a: tuple[int, int, int], b: tuple[int, int, int], t: float) -> str:
     return f"#{r:02x}{g:02x}{bl:02x}"
 
 
-def _svg(s: ValueSummary, scale: tuple[float, float] | None) -> str:
+def _svg(s: ValueSummary, scale: tuple[float, float] | None, cell: int | None = None) -> str:
     scale = scale or (0.0, 1.0)
     if len(s.shape) == 1:
         return _bars(s, scale)
     rows, cols = len(s.grid), len(s.grid[0])
-    cell = max(4, min(24, _PICTURE_W // cols, 160 // rows))
-    label = s.elements and cell >= 22  # small enough to write each value in its cell
+    if cell is None:
+        cell = max(4, min(24, _PICTURE_W // cols, 160 // rows))
+    texts = [label(float(e)) for e in s.elements] if s.elements else []
+    # Each value written in its cell when the cells are large enough; a cell widens to hold
+    # its number (never cut), unless the picture would then be too wide.
+    width = cell
+    if texts and cell >= 20:
+        width = max(cell, math.ceil(max(len(t) for t in texts) * 5.4 + 4))
+        if cols * width > 1.5 * _PICTURE_W:
+            texts, width = [], cell
+    else:
+        texts = []
     rects = []
     for i, row in enumerate(s.grid):
         for j, x in enumerate(row):
-            tip = s.elements[i * cols + j] if s.elements else _num(x)
             rects.append(
-                f'<rect x="{j * cell}" y="{i * cell}" width="{cell}" height="{cell}" '
+                f'<rect x="{j * width}" y="{i * cell}" width="{width}" height="{cell}" '
                 f'fill="{_colour(x, scale)}"/>'
             )
-            if label:
+            if texts:
                 rects.append(
-                    f'<text x="{j * cell + cell / 2}" y="{i * cell + cell / 2 + 3.5}" font-size="9" '
+                    f'<text x="{j * width + width / 2}" y="{i * cell + cell / 2 + 3.5}" font-size="9" '
                     f'font-family="sans-serif" text-anchor="middle" fill="{_ink(_colour(x, scale))}">'
-                    f"{html.escape(_short(tip)[:4])}</text>"
+                    f"{html.escape(texts[i * cols + j])}</text>"
                 )
-    w, h = cols * cell, rows * cell
+    w, h = cols * width, rows * cell
     return _image(
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}">'
         f"{''.join(rects)}</svg>",
@@ -453,9 +526,13 @@ def _bars(s: ValueSummary, scale: tuple[float, float]) -> str:
             y = h - (min(max(x, low), high) - low) / span * h
             top, bottom, fill = min(y, zero), max(y, zero), _colour(x, scale)
             if math.isinf(x):
-                fill = "#111"
+                fill = INF_COLOUR
+        if bottom - top < 2:
+            # A zero (or nearly) is a dark stub on the axis: a missing bar would read as "no value".
+            top = min(max(zero - 1.5, 0.0), h - 3.0)
+            bottom, fill = top + 3.0, "#555"
         items.append(
-            f'<rect x="{i * width + 0.5}" y="{top:.1f}" width="{width - 1}" height="{max(bottom - top, 1):.1f}" '
+            f'<rect x="{i * width + 0.5}" y="{top:.1f}" width="{width - 1}" height="{bottom - top:.1f}" '
             f'fill="{fill}" stroke="#555" stroke-width="0.3"/>'
         )
     w = n * width

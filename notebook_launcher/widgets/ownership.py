@@ -17,16 +17,17 @@ import html
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
-# Colour-blind-safe categorical colours (Okabe-Ito), one per rank, then repeated.
+# One colour per rank, then repeated. None is blue or red, nor near them: in the inspector blue
+# and red are a value's sign (white at zero), and a rank must never read as a value.
 RANK_COLOURS = (
-    "#0072b2",
-    "#e69f00",
-    "#009e73",
-    "#cc79a7",
-    "#56b4e9",
-    "#d55e00",
-    "#f0e442",
-    "#999999",
+    "#e69f00",  # orange
+    "#009e73",  # bluish green
+    "#8a5fb8",  # violet
+    "#b5b51c",  # olive
+    "#00b3a0",  # turquoise
+    "#f0e442",  # yellow
+    "#7a5c1e",  # umber
+    "#66a61e",  # leaf green
 )
 SEVERAL_COLOUR = "#6b6b6b"  # an element held by more than one rank (replicated, padded)
 NOBODY_COLOUR = "#ffffff"
@@ -118,9 +119,7 @@ class Ownership:
 
     # Pictures -------------------------------------------------------------------------------
 
-    def picture(self, highlight: int | None = None) -> str:
-        """The whole tensor; with ``highlight``, that rank's elements full and outlined, the
-        others faded."""
+    def _grid(self) -> tuple[int, int, int, int]:
         rows, cols = (
             (1, self.shape[0])
             if len(self.shape) == 1
@@ -128,8 +127,19 @@ class Ownership:
             if self.shape
             else (1, 1)
         )
-        shown_rows, shown_cols = min(rows, _MAX_ROWS), min(cols, _MAX_COLS)
-        cell = max(4, min(22, _WIDTH // shown_cols, 176 // shown_rows))
+        return rows, cols, min(rows, _MAX_ROWS), min(cols, _MAX_COLS)
+
+    def cell(self) -> int:
+        """The side of one element's square, in pixels: a picture of a part of this tensor
+        (a rank's shard) drawn at this size keeps the proportions of the whole."""
+        _, _, shown_rows, shown_cols = self._grid()
+        return max(4, min(22, _WIDTH // shown_cols, 176 // shown_rows))
+
+    def picture(self, highlight: int | None = None) -> str:
+        """The whole tensor; with ``highlight``, that rank's elements full and outlined, the
+        others faded."""
+        rows, cols, shown_rows, shown_cols = self._grid()
+        cell = self.cell()
         label = cell >= 14
         items = []
         for i in range(shown_rows):
@@ -152,7 +162,7 @@ class Ownership:
                     text = str(next(iter(holders))) if len(holders) == 1 else "*"
                     items.append(
                         f'<text x="{j * cell + cell / 2}" y="{i * cell + cell / 2 + 3.5}" font-size="9" '
-                        f'font-family="sans-serif" text-anchor="middle" fill="#fff">{text}</text>'
+                        f'font-family="sans-serif" text-anchor="middle" fill="{ink(fill)}">{text}</text>'
                     )
         w, h = shown_cols * cell, shown_rows * cell
         who = f" with rank {highlight}'s part highlighted" if highlight is not None else ""
@@ -195,6 +205,12 @@ def from_shards(name: str, shape: Sequence[int], dim: int, sizes: Mapping[int, i
     for flat in range(math.prod(shape)):
         holders.append(owner_of_slice[(flat // inner) % shape[dim]])
     return Ownership(name, shape, holders, sorted(sizes))
+
+
+def ink(fill: str) -> str:
+    """Dark text on light fills (yellow, olive), white on dark ones."""
+    r, g, b = (int(fill[i : i + 2], 16) for i in (1, 3, 5))
+    return "#222" if 0.299 * r + 0.587 * g + 0.114 * b > 150 else "#fff"
 
 
 def _fill(holders: frozenset[int]) -> str:

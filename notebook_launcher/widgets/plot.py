@@ -107,7 +107,7 @@ def _caption(
         rest = ", ".join(_short(m) for m in metrics[len(shown) :][:10])
         text += f"; {len(metrics) - len(shown)} more metrics not drawn ({rest}{', …' if len(metrics) - len(shown) > 10 else ''})"
     if compared:
-        text += "; faded dashed lines: the previous launch in this kernel"
+        text += "; faded dashed lines on a pale band: the previous launch in this kernel"
     return text + ". Hover a point for its step, rank and value."
 
 
@@ -175,15 +175,24 @@ def _panel(
             )
     out.append(
         f'<text x="{(left + right) / 2}" y="{bottom + 13}" text-anchor="middle" fill="currentColor" '
-        f'fill-opacity="0.5">step{" (log y)" if log_scale else ""}</text>'
+        f'fill-opacity="0.5">step</text>'
     )
+    if log_scale:  # said at the y axis it is about, not in the x axis's label
+        out.append(
+            f'<text x="{left - 4}" y="{top - 4}" text-anchor="end" fill="currentColor" '
+            f'fill-opacity="0.5">log</text>'
+        )
     for rank, points in old.items():
         # A NaN breaks no line: the line joins the finite points around it; the cross marks it.
         line = _path([(sx(s), sy(v)) for s, v in points if math.isfinite(v)])
         if line:
+            # A wide pale band under the dashes: still seen where this launch's line lies
+            # exactly on it (the same curve twice is the point of comparing launches).
             out.append(
+                f'<path d="{line}" fill="none" stroke="{rank_colour(rank)}" stroke-width="7" '
+                f'stroke-opacity="0.18" stroke-linecap="round" stroke-linejoin="round"/>'
                 f'<path d="{line}" fill="none" stroke="{rank_colour(rank)}" stroke-width="1.2" '
-                f'stroke-opacity="0.35" stroke-dasharray="4 3"><title>previous launch: rank {rank}, '
+                f'stroke-opacity="0.55" stroke-dasharray="4 3"><title>previous launch: rank {rank}, '
                 f"{_text(name)}</title></path>"
             )
     drawn = 0

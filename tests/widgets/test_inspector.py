@@ -424,10 +424,110 @@ def test_ownership_and_the_course_charts_carry_their_numbers_in_text():
         ],
     )
     assert timeline.idle_fraction("rank 0") == 0.5 and "rank 1: F1 B1; idle 50%" in timeline.text()
-    measured = Measured("t", [(1000, 0.5), (2000, 1.0)], 0.0005, "bytes", "seconds", "model")
+    assert timeline.order("rank 1") == ["F1", "B1"] and timeline.gaps("rank 0") == [
+        ("F1", "B1", 2.0)
+    ]
+    measured = Measured(
+        "t", {"all_reduce": [(1000, 0.5), (2000, 1.0)]}, {"all_reduce": (0.0, 0.0005)}
+    )
     assert "bytes 2,000: seconds 1, model 1" in measured.text()
+    assert "all_reduce: model alpha 0 s + beta 0.0005 s/byte" in measured.text()
     for shown in (owned, bars, timeline, measured):
         page = shown._repr_mimebundle_()["text/html"]
         assert (
             "<svg" not in page and len(re.findall(r'src="data:image/svg\+xml;base64,', page)) >= 1
         )
+
+
+def _svg_of(page: str, alt_start: str) -> str:
+    found = re.findall(r'alt="([^"]*)"[^>]*src="data:image/svg\+xml;base64,([^"]+)"', page)
+    return next(base64.b64decode(b).decode() for alt, b in found if alt.startswith(alt_start))
+
+
+def test_heatmap_labels_are_rounded_to_three_figures_and_keep_their_magnitude():
+    from notebook_launcher.widgets.inspector import label
+
+    assert [label(x) for x in (-2.179, 12345, 0.0004, 0.0123, 999.7, 1.0, 0.0, -0.5)] == [
+        "-2.18",
+        "1.23e4",
+        "4e-4",
+        "0.0123",
+        "1e3",
+        "1",
+        "0",
+        "-0.5",
+    ]
+    page = render_html([("", stage("m", [torch.tensor([[-2.179, 12345.0], [0.0004, 1.0]])]))])
+    svg = _svg_of(page, "heatmap of m")
+    assert re.findall(r">([^<>]+)</text>", svg) == ["-2.18", "1.23e4", "4e-4", "1"]
+    # The cells widen to hold the widest number: no label is wider than its cell.
+    width = float(re.search(r'<rect x="0" y="0" width="([\d.]+)"', svg)[1])
+    assert width >= len("1.23e4") * 5.4
+
+
+def test_rank_colours_share_nothing_with_the_value_colours():
+    from notebook_launcher.widgets import inspector
+    from notebook_launcher.widgets.ownership import RANK_COLOURS
+
+    def rgb(colour):
+        return tuple(int(colour[i : i + 2], 16) for i in (1, 3, 5))
+
+    values = [rgb(inspector._colour(x / 50, (-1.0, 1.0))) for x in range(-50, 51)]
+    values += [rgb(inspector.NAN_COLOUR), rgb(inspector.INF_COLOUR)]
+    for colour in RANK_COLOURS:
+        nearest = min(math.dist(rgb(colour), v) for v in values)
+        assert nearest > 60, (colour, nearest)  # never read as a value, nor a value as a rank
+    assert len(set(RANK_COLOURS)) == len(RANK_COLOURS)
+
+
+def test_a_difference_the_caller_intends_gets_a_neutral_badge():
+    values = stage("mine", [torch.tensor([10.0, 12.0]), torch.tensor([14.0, 16.0])])
+    assert verdict(values["mine"]).state == "differs"
+    v = verdict(values["mine"], per_rank=True)
+    assert (v.state, v.words, v.odd) == (
+        "per-rank",
+        "per rank, by design (2 different values)",
+        frozenset(),
+    )
+    shown = Inspection([("", values)], per_rank=["mine"])
+    page = shown._repr_html_()
+    assert 'data-state="per-rank"' in page and "≠" not in page and "#d62728" not in page
+    assert repr(shown).splitlines()[0] == "mine: per rank, by design (2 different values)"
+    # Equal values are still said to be equal; a missing rank is still said to be missing.
+    same = stage("s", [torch.ones(2), torch.ones(2)])["s"]
+    assert verdict(same, per_rank=True).state == "equal"
+    lacking = [summarize(1, "x", 0), summarize_name({}, "x", 1)]
+    assert verdict(lacking, per_rank=True).state == "missing"
+
+
+def test_a_rank_s_part_is_drawn_at_the_whole_s_cell_size():
+    summaries = _sharded((16, 8), "Shard(dim=0)", [torch.randn(8, 8), torch.randn(8, 8)])
+    page = render_html([("", {"w": summaries})])
+    sizes = dict(
+        (alt, (int(w), int(h)))
+        for alt, w, h in re.findall(r'alt="([^"]*)" width="(\d+)" height="(\d+)"', page)
+    )
+    whole = sizes["ownership of w"]
+    part = sizes["heatmap of w on rank 0"]
+    assert whole[1] == 2 * part[1] and whole[0] == part[0]  # 16 rows against 8, the same columns
+
+
+def test_zero_bars_are_visible_and_numbers_never_wrap_inside():
+    page = render_html([("", stage("v", [torch.tensor([0.0, 1.0, -1.0, 0.0])]))])
+    svg = _svg_of(page, "bar chart of v")
+    heights = [float(h) for h in re.findall(r'<rect [^>]*height="([\d.]+)"', svg)]
+    assert len(heights) == 4 and min(heights) >= 3
+    lists = render_html([("", stage("l", [list(range(100))]))])
+    assert "break-all" not in page + lists and "overflow-wrap: break-word" in page + lists
+
+
+def test_every_block_of_a_timeline_is_labelled_and_the_axis_has_times():
+    from notebook_launcher.widgets.charts import Timeline
+
+    spans = [("rank 0", f"F{i}", i * 0.001, i * 0.001 + 0.0005) for i in range(1, 9)]
+    spans += [("rank 0", "B1", 0.01, 0.5), ("rank 1", "F1", 0.002, 0.003)]
+    page = Timeline("t", spans)._repr_html_()
+    svg = base64.b64decode(re.search(r'base64,([^"]+)"', page)[1]).decode()
+    labels = re.findall(r">([FB]\d)</text>", svg)
+    assert sorted(labels) == sorted(label for _, label, _, _ in spans)  # narrow ones too
+    assert "time since the first span (ms)" in svg and ">400</text>" in svg
