@@ -213,7 +213,7 @@ class Env:
         output = self.dir / "pytest.txt"  # written as the tests run: tail -f to follow
         with output.open("w") as sink:
             returncode = subprocess.run(
-                [self.python, "-m", "pytest", "-p", "no:cacheprovider", "-rfE",
+                [self.python, "-m", "pytest", "-p", "no:cacheprovider", "-rfE", "--timeout=240",
                  "--durations=10", *extra, *selection],
                 stdout=sink, stderr=subprocess.STDOUT, cwd=workdir, env=env,
             ).returncode  # fmt: skip
