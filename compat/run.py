@@ -138,7 +138,13 @@ class Env:
         lines.append(
             f"pip install {self.wheel.name} (dry run) would install: {' '.join(wanted) or 'nothing'}"
         )
-        self.run(*pip, "install", "-q", str(self.wheel), "--constraint", str(self.pins))
+        if replaced:
+            lines.append(f"a plain pip install would REPLACE: {', '.join(replaced)}")
+        try:
+            self.run(*pip, "install", "-q", str(self.wheel), "--constraint", str(self.pins))
+        except Failed:
+            self.say("\n".join(lines))
+            raise
         after = self.freeze()
         self.times["wheel"] = time.monotonic() - started
         lines.append(
@@ -162,8 +168,6 @@ class Env:
         )
         if changed:
             lines.append("CHANGED by installing the package:\n" + "\n".join(changed))
-        if replaced:
-            lines.append(f"a plain pip install would REPLACE: {', '.join(replaced)}")
         self.say("\n".join(lines))
         (self.dir / "freeze-before.txt").write_text(_freeze_text(before))
         (self.dir / "freeze-after.txt").write_text(_freeze_text(after))
