@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-xla test-compat lint docs course clean browser extension
+.PHONY: setup demo test test-xla lint docs course clean browser extension
 
 # uv installs the Python dependencies (in parallel, seconds where pip took minutes); pip
 # installs torch alone, as only pip looks in the machine's own wheel folder for the CPU
@@ -87,6 +87,7 @@ test-xla: $(XLA_VENV)/.installed
 # environments are built in parallel and reused while their pins and the wheel are unchanged.
 COMPAT_ENVS ?= colab kaggle oldest
 COMPAT_PYTEST_ARGS ?=
+.PHONY: test-compat
 test-compat: setup
 	@test -f notebook_launcher/labextension/static/style.js || { \
 		echo "the lab extension is not built: make extension"; exit 1; }

@@ -249,8 +249,20 @@ def _freeze_text(versions: dict[str, str]) -> str:
 
 
 def read_selection() -> list[str]:
+    """compat/tests.txt's words, each test file named by its name alone found under tests/
+    (so the list survives tests moving between folders)."""
     text = (COMPAT / "tests.txt").read_text()
-    return [word for line in text.splitlines() for word in line.split("#", 1)[0].split()]
+    words = [word for line in text.splitlines() for word in line.split("#", 1)[0].split()]
+    return [word if word.startswith("-") else _test_path(word) for word in words]
+
+
+def _test_path(node: str) -> str:
+    name, _, rest = node.partition("::")
+    found = sorted((ROOT / "tests").rglob(name))
+    if len(found) != 1:
+        raise SystemExit(f"compat/tests.txt: {name} matches {len(found)} files under tests/")
+    path = found[0].relative_to(ROOT).as_posix()
+    return f"{path}::{rest}" if rest else path
 
 
 def one(env: Env, selection: list[str], extra: list[str], build_only: bool) -> bool:

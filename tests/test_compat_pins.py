@@ -123,3 +123,18 @@ def test_a_pin_file_says_where_its_pins_come_from_without_an_address(name: str) 
     comment = "\n".join(line for line in text.splitlines() if line.startswith("#"))
     assert f"Python {python_of(name)}" in comment
     assert not re.search(r"://|www\.|\.(com|org|io|dev)\b", text), f"compat/{name}.txt"
+
+
+def test_every_test_the_compat_runs_name_exists() -> None:
+    """compat/tests.txt names test files by name alone; each must be one file under tests/
+    that defines the named test (a renamed test would otherwise drop out unseen)."""
+    text = (COMPAT / "tests.txt").read_text()
+    nodes = [w for line in text.splitlines() for w in line.split("#", 1)[0].split()]
+    nodes = [n for n in nodes if not n.startswith("-")]
+    assert len(nodes) >= 10
+    for node in nodes:
+        name, _, test = node.partition("::")
+        found = list((ROOT / "tests").rglob(name))
+        assert len(found) == 1, f"compat/tests.txt: {name} matches {found}"
+        if test:
+            assert re.search(rf"^def {re.escape(test)}\(", found[0].read_text(), re.M), node
