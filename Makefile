@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # The CPU build of torch that lies on this machine's disk; installing it first keeps
-# "torch>=2.4" from pulling a multi-GB CUDA build.
+# "torch>=2.6.0" from pulling a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
 
@@ -79,8 +79,9 @@ test: setup browser
 # Opt-in: the real torch_xla on the CPU (PJRT_DEVICE=CPU). torch_xla needs its own torch
 # (a CUDA build of torch 2.9 from PyPI: ~4 GB, ~3 min), so it gets a venv of its own; the
 # package runs from this checkout (PYTHONPATH), which needs no lab extension build.
+# The pair is Colab's TPU runtime's: torch 2.9.0 with torch_xla 2.9.0.
 XLA_VENV := .venv-xla
-XLA_PINS ?= "torch-xla==2.9.0" "torch==2.9.*"
+XLA_PINS ?= "torch-xla==2.9.0" "torch==2.9.0"
 $(XLA_VENV)/.installed:
 	$(PYTHON) -m venv $(XLA_VENV)
 	$(XLA_VENV)/bin/python -m pip install -q --upgrade pip
@@ -91,11 +92,27 @@ $(XLA_VENV)/.installed:
 test-xla: $(XLA_VENV)/.installed
 	PYTHONPATH=$(CURDIR) PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla -s tests/tpu/test_tpu_real_xla.py
 
+# The runtimes users cannot change, each in a venv of its own under .compat/:
+# Colab's and Kaggle's pins and the oldest declared floors. The package's wheel, built once
+# from this checkout (the lab extension prebuilt by setup: no node), installs into each
+# without moving a pin, then the kernel-facing tests of compat/tests.txt run there. The
+# environments are built in parallel and reused while their pins and the wheel are unchanged.
+COMPAT_ENVS ?= colab kaggle oldest
+COMPAT_PYTEST_ARGS ?=
+.PHONY: test-compat
+test-compat: setup
+	@test -f notebook_launcher/labextension/static/style.js || { \
+		echo "the lab extension is not built: make extension"; exit 1; }
+	rm -rf .compat/dist
+	SKIP_JUPYTER_BUILDER=1 $(BIN)/uv build -q --wheel --python $(BIN)/python --out-dir .compat/dist .
+	$(BIN)/python compat/run.py $(COMPAT_ENVS) --wheel .compat/dist/*.whl --uv $(BIN)/uv \
+		-- $(COMPAT_PYTEST_ARGS)
+
 # Python (ruff's linter and formatter, mypy) and the extension's TypeScript (eslint,
 # prettier), as JupyterLab extensions lint it; jlpm comes with the test dependencies (jupyterlab).
 lint: setup docs
-	$(BIN)/ruff check notebook_launcher tests benchmarks examples docs/hooks
-	$(BIN)/ruff format --check notebook_launcher tests benchmarks examples docs/hooks
+	$(BIN)/ruff check notebook_launcher tests benchmarks examples docs/hooks compat
+	$(BIN)/ruff format --check notebook_launcher tests benchmarks examples docs/hooks compat
 	$(BIN)/mypy
 	cd extension && PATH="$(CURDIR)/$(BIN):$$PATH" jlpm install && PATH="$(CURDIR)/$(BIN):$$PATH" jlpm lint:check
 
@@ -119,4 +136,4 @@ course: setup
 	done
 
 clean:
-	rm -rf $(VENV) $(XLA_VENV) build dist site *.egg-info
+	rm -rf $(VENV) $(XLA_VENV) .compat build dist site *.egg-info

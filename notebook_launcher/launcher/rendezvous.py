@@ -50,6 +50,7 @@ from notebook_launcher.launcher.store import (
     new_secret,
     probe_store,
     protected,
+    store_on_socket,
 )
 
 if TYPE_CHECKING:
@@ -276,15 +277,8 @@ class NodeRendezvous:
                     # c10d: another kernel on this machine may host it already (torch's own rule).
                 else:
                     self._hosting = True
-                    return TCPStore(
-                        self._host,
-                        self._port,
-                        None,
-                        is_master=True,
-                        timeout=timedelta(seconds=max(1.0, self._clock.limit_s())),
-                        wait_for_workers=False,
-                        master_listen_fd=listener.detach(),
-                        use_libuv=True,
+                    return store_on_socket(
+                        listener, None, timedelta(seconds=max(1.0, self._clock.limit_s()))
                     )
             found = probe_store(
                 self._host, self._port, max(0.1, min(_PROBE_S, self._clock.remaining()))

@@ -129,6 +129,41 @@ def protect_env_rendezvous(secret: str | None) -> None:
     handlers["env"] = secured
 
 
+# Whether this torch's libuv store takes a bound socket: torch 2.6 refuses one
+# (NotImplementedError) where the legacy backend takes it; learnt once per process.
+_LIBUV_TAKES_A_SOCKET: list[bool] = []
+
+
+def store_on_socket(listener: socket.socket, world_size: int | None, timeout: timedelta) -> Any:
+    """A TCPStore server listening on ``listener``, which it now owns (and closes)."""
+    from torch.distributed import TCPStore
+
+    host, port = listener.getsockname()[:2]
+    fd = listener.detach()
+
+    def start(use_libuv: bool) -> Any:
+        return TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+            use_libuv=use_libuv,
+        )
+
+    if not _LIBUV_TAKES_A_SOCKET:
+        try:
+            store = start(use_libuv=True)
+        except NotImplementedError:  # the fd is still ours: torch checks before it uses it
+            _LIBUV_TAKES_A_SOCKET.append(False)
+            return start(use_libuv=False)
+        _LIBUV_TAKES_A_SOCKET.append(True)
+        return store
+    return start(use_libuv=_LIBUV_TAKES_A_SOCKET[0])
+
+
 class RendezvousStore:
     """A TCPStore server on a socket we bound, closed with :meth:`close`.
 
@@ -137,20 +172,10 @@ class RendezvousStore:
     """
 
     def __init__(self, listener: socket.socket, world_size: int, secret: str | None = None) -> None:
-        from torch.distributed import TCPStore
-
         self.address, self.port = listener.getsockname()[:2]
         self.secret = secret or new_secret()
-        self._store: Any = TCPStore(
-            self.address,
-            self.port,
-            world_size,
-            is_master=True,
-            timeout=timedelta(seconds=300),
-            wait_for_workers=False,
-            master_listen_fd=listener.detach(),  # the store owns and closes the socket
-            use_libuv=True,
-        )
+        # The store owns and closes the socket.
+        self._store: Any = store_on_socket(listener, world_size, timedelta(seconds=300))
 
     def close(self) -> None:
         self._store = None  # the server stops and frees its port when the store is released

@@ -17,7 +17,7 @@ import re
 import resource
 import sys
 import time
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any, Callable
 
 from notebook_launcher.session.protocol import Snapshot
@@ -83,17 +83,22 @@ def where_line(frame: FrameType, is_cell: Callable[[str], bool]) -> str:
     innermost = stack[0]
     cell = next((f for f in stack if is_cell(f.f_code.co_filename)), None)
     if cell is None:  # e.g. a function of the package itself: its own file and line
-        return f"{innermost.f_code.co_filename}, line {innermost.f_lineno}, in {innermost.f_code.co_qualname}"
+        return f"{innermost.f_code.co_filename}, line {innermost.f_lineno}, in {_qualname(innermost.f_code)}"
     place = f"{cell_label(cell.f_code.co_filename)}, line {cell.f_lineno}"
     if cell.f_code.co_name != "<module>":
-        place += f" (in {cell.f_code.co_qualname})"
+        place += f" (in {_qualname(cell.f_code)})"
     if innermost is cell:
         called = _called_name(cell)
         return f"{place}, in {called}" if called else place
-    line = f"{place}, in {innermost.f_code.co_qualname}"
+    line = f"{place}, in {_qualname(innermost.f_code)}"
     if _COLLECTIVES in innermost.f_code.co_filename:
         line += " (waiting for the others)"
     return line
+
+
+def _qualname(code: CodeType) -> str:
+    """``Class.method`` where Python says it (3.11 and later), the bare name on 3.10."""
+    return getattr(code, "co_qualname", code.co_name)
 
 
 def _called_name(frame: FrameType) -> str:
@@ -103,7 +108,8 @@ def _called_name(frame: FrameType) -> str:
         for instruction in dis.get_instructions(frame.f_code):
             if instruction.offset != frame.f_lasti:
                 continue
-            position = instruction.positions
+            # Python 3.11 and later know each instruction's columns; 3.10 names no call.
+            position = getattr(instruction, "positions", None)
             if position is None or position.lineno is None or position.end_lineno is None:
                 return ""
             lines = linecache.getlines(frame.f_code.co_filename)[
