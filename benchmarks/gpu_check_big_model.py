@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from notebook_launcher import big_modeling as bm  # noqa: E402
 from notebook_launcher.accelerator.model_files import write_model  # noqa: E402
+from notebook_launcher.big_modeling.hooks import attached  # noqa: E402
 
 RESULTS: list[str] = []
 
@@ -112,14 +113,13 @@ def main() -> int:
         model = Stack(arguments.layers, arguments.width).eval()
         model.load_state_dict(reference.state_dict())
         bm.cpu_offload(model, execution_device="cuda:0")
-        state = bm.dispatch.offload_state(model)
-        pinned = all(t.is_pinned() for t in state.cpu.values())
+        fetcher = attached(model).fetcher
+        pinned = all(t.is_pinned() for t in fetcher.cpu.values())
         with torch.no_grad():
             outs = [model(ids.to("cuda:0")) for _ in range(3)]
-        runner = model._big_model_runner
-        side = bool(runner._streams)
+        side = bool(fetcher._streams)
         assert pinned and side and all(close(o) for o in outs), (pinned, side)
-        return f"outputs equal; {len(state.cpu)} pinned CPU tensors; copies on a side stream"
+        return f"outputs equal; {len(fetcher.cpu)} pinned CPU tensors; copies on a side stream"
 
     def disk_offload_to_gpu() -> str:
         model = Stack(arguments.layers, arguments.width).eval()

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from notebook_launcher.big_modeling.empty import init_empty_weights
-from notebook_launcher.big_modeling.sizes import format_bytes, model_weights, resolve_dtype
+from notebook_launcher.big_modeling.inventory import model_weights
+from notebook_launcher.big_modeling.sizes import format_bytes, resolve_dtype
 from notebook_launcher.errors import BigModelError
 
 
