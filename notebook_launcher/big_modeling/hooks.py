@@ -96,6 +96,7 @@ class OffloadHooks:
         # or out of order). It never wraps from the last block to the first: nothing is
         # held between forwards.
         self._next = dict(zip(borrowing, borrowing[1:], strict=False))
+        self._first: int | None = borrowing[0] if borrowing else None
         for block in blocks:
             self._wrap(block.module, functools.partial(self._run_block, block))
         self._wrap(model, self._run_model)
@@ -124,9 +125,12 @@ class OffloadHooks:
         device = first_device((args, kwargs))
         args, kwargs = self._inputs_to(self.main, args, kwargs)
         self._depth += 1
-        if self._depth == 1:
-            self._last = None
         try:
+            if self._depth == 1:
+                self._last = None
+                if self._first is not None:
+                    # The first offloaded block is read while the blocks before it compute.
+                    self.fetcher.prefetch(self._first)
             output = inner(*args, **kwargs)
         finally:
             self._depth -= 1
@@ -147,7 +151,9 @@ class OffloadHooks:
                 self.fetcher.drop_pending()
 
     def _lend(self, block: Block) -> _Lent:
-        if self._last is not None and self._last != block.key:
+        if self._last is None:
+            self._first = block.key
+        elif self._last != block.key:
             self._next[self._last] = block.key
         self._last = block.key
         lent = _Lent(self.fetcher.take(block.key), [])
