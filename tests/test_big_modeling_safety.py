@@ -149,3 +149,33 @@ def test_on_one_device_inputs_go_to_the_execution_device_and_skip_keys_stay():
     module(torch.ones(2), cache=torch.ones(2), mask=torch.ones(2))
     hooks.remove()
     assert seen == {"x": "meta", "cache": "cpu", "mask": "meta"}
+
+
+class WideEmbedding(torch.nn.Module):
+    """The embeddings outweigh the whole stack of blocks, which the model iterates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(4096, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(ids)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return hidden
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_a_module_list_lighter_than_the_largest_piece_is_still_lent_block_by_block(tmp_path, kind):
+    torch.manual_seed(0)
+    model = WideEmbedding().eval()
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        expected = model(ids)
+    if kind == "cpu":
+        bm.cpu_offload(model, execution_device="cpu")
+    else:
+        bm.disk_offload(model, tmp_path)
+    with torch.no_grad():
+        assert torch.equal(model(ids), expected)

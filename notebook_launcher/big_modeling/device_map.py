@@ -183,6 +183,9 @@ def _units(
     return units
 
 
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+
+
 def pieces(
     model: torch.nn.Module, entry: str, sizes: Mapping[str, int], no_split: set[str]
 ) -> list[str]:
@@ -190,7 +193,9 @@ def pieces(
     is split into its children and own tensors while it weighs more than the model's largest
     piece that cannot be split (a ``no_split`` class, or a module without children). So an
     offloaded entry is lent one piece at a time, and no piece weighs more than the room the
-    planner keeps on the first GPU for running offloaded blocks."""
+    planner keeps on the first GPU for running offloaded blocks. Containers (ModuleList,
+    ModuleDict, Sequential) are always split: models iterate them rather than call them,
+    so their own forward may never run to lend their weights."""
     limit = largest_unsplittable(model, sizes, no_split)[1]
     modules = dict(model.named_modules())
     if entry not in modules:
@@ -199,7 +204,12 @@ def pieces(
     stack: list[tuple[str, torch.nn.Module | None]] = [(entry, modules[entry])]
     while stack:
         name, module = stack.pop(0)
-        if module is None or _unsplittable(module, no_split) or sizes.get(name, 0) <= limit:
+        container = isinstance(module, _CONTAINERS)
+        if (
+            module is None
+            or _unsplittable(module, no_split)
+            or (sizes.get(name, 0) <= limit and not container)
+        ):
             found.append(name)
         else:
             stack[:0] = _units(model, name, module)
