@@ -213,7 +213,15 @@ def main() -> None:
                 f"{label:28} ours {ours_s * 1000:7.1f} ms   accelerate {theirs * 1000:7.1f} ms   "
                 f"ratio {ours_s / theirs:.2f}x"
             )
-        print(f"{'the model in memory (floor)':28} {medians['memory/plain'] * 1000:7.1f} ms")
+        floor = medians["memory/plain"]
+        print(f"{'the model in memory (floor)':28} {floor * 1000:7.1f} ms")
+        print(
+            f"ours against the model in memory: disk {medians['disk/ours'] / floor:.2f}x, "
+            f"cpu-offloaded {medians['cpu/ours'] / floor:.2f}x "
+            f"(accelerate: disk {medians['disk/accelerate'] / floor:.2f}x, "
+            f"cpu-offloaded {medians['cpu/accelerate'] / floor:.2f}x)"
+        )
+        print(f"load average while measured: {' '.join(f'{v:.1f}' for v in os.getloadavg())}")
 
 
 if __name__ == "__main__":

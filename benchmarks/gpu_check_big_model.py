@@ -13,7 +13,15 @@ defaults) is saved as sharded safetensors, then:
    the CPU and the disk (with one GPU: the GPU, the CPU and the disk); outputs equal, and
    each GPU holds blocks;
 4. forward time with CPU offload to the GPU, beside accelerate's ``cpu_offload`` when it
-   is installed (medians of interleaved rounds).
+   is installed (medians of interleaved rounds);
+5. a KeyboardInterrupt raised inside a block during a forward on the GPU: every weight is
+   back home, no block lent or fetched ahead, GPU memory back to its steady state, and the
+   next forward right;
+6. ``cpu_offload(model, "cuda:0")`` called with an input on the CPU: the output comes back
+   on the CPU, and is read at once (no synchronize) over 20 calls, equal each time.
+
+``--cpu`` runs checks 5 and 6 with the CPU as the execution device: their logic, on a
+machine without a GPU.
 
 Prints one PASS/FAIL/SKIP line per check; exits 1 if any failed. Without a GPU every
 check is skipped (exit 0), so the script also runs on a CPU-only machine.
@@ -37,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from notebook_launcher import big_modeling as bm  # noqa: E402
 from notebook_launcher.accelerator.model_files import write_model  # noqa: E402
+from notebook_launcher.big_modeling.hooks import attached  # noqa: E402
 
 RESULTS: list[str] = []
 
@@ -80,12 +89,85 @@ def check(name: str, body: Callable[[], str]) -> None:
         report("FAIL", name, f"{type(error).__name__}: {error}")
 
 
+def interrupt_inside_a_block(reference: Stack, ids: torch.Tensor, device: str) -> str:
+    """A KeyboardInterrupt (the stop button) inside block 3, its weights lent."""
+    model = Stack(len(reference.blocks), reference.embed.embedding_dim).eval()
+    model.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        expected = model.to(device)(ids.to(device)).float().cpu()
+    model.to("cpu")
+    bm.cpu_offload(model, execution_device=device)
+    homes = dict(model.named_parameters(remove_duplicate=False))
+    hooks = attached(model)
+    assert hooks is not None
+
+    def allocated() -> int:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+            return torch.cuda.memory_allocated(device)
+        return 0
+
+    def stop(module: torch.nn.Module, args: Any) -> None:
+        raise KeyboardInterrupt
+
+    with torch.no_grad():
+        for _ in range(2):
+            model(ids.to(device))
+        steady = allocated()
+        handle = model.blocks[3].down.register_forward_pre_hook(stop)
+        try:
+            model(ids.to(device))
+            raise AssertionError("the forward was not interrupted")
+        except KeyboardInterrupt:
+            pass
+        handle.remove()
+        after = allocated()
+        not_home = [
+            n for n, p in model.named_parameters(remove_duplicate=False) if p is not homes[n]
+        ]
+        in_flight = hooks.blocks_in_flight()
+        right = torch.allclose(model(ids.to(device)).float().cpu(), expected, atol=1e-4, rtol=1e-4)
+    bm.remove_hooks(model)
+    assert not not_home and in_flight == (0, 0) and right, (not_home, in_flight, right)
+    assert after <= steady, f"{after - steady} bytes more on {device} than before the stop"
+    return f"weights home, nothing in flight, {device} memory {after} <= steady {steady}, next forward right"
+
+
+def cpu_input_read_at_once(reference: Stack, ids: torch.Tensor, device: str) -> str:
+    """accelerate's single-device behaviour: any input device, outputs back where it was."""
+    model = Stack(len(reference.blocks), reference.embed.embedding_dim).eval()
+    model.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        expected = model(ids).float()
+    bm.cpu_offload(model, execution_device=device)
+    sums = []
+    with torch.no_grad():
+        for _ in range(20):
+            out = model(ids)  # on the CPU
+            assert out.device.type == "cpu", out.device
+            sums.append(bool(torch.allclose(out.float(), expected, atol=1e-4, rtol=1e-4)))
+    bm.remove_hooks(model)
+    assert all(sums), sums
+    return "20 calls with a CPU input: outputs on the CPU, equal when read at once"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--cpu", action="store_true", help="checks 5 and 6 on the CPU")
     arguments = parser.parse_args()
+    if arguments.cpu:
+        torch.manual_seed(0)
+        small = Stack(6, 64).eval()
+        ids = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(1))
+        check("interrupt inside a block (cpu)", lambda: interrupt_inside_a_block(small, ids, "cpu"))
+        check(
+            "input on the CPU, read at once (cpu)",
+            lambda: cpu_input_read_at_once(small, ids, "cpu"),
+        )
+        return 1 if "FAIL" in RESULTS else 0
     if not torch.cuda.is_available():
         report("SKIP", "all", "no CUDA device on this machine")
         return 0
@@ -112,14 +194,13 @@ def main() -> int:
         model = Stack(arguments.layers, arguments.width).eval()
         model.load_state_dict(reference.state_dict())
         bm.cpu_offload(model, execution_device="cuda:0")
-        state = bm.dispatch.offload_state(model)
-        pinned = all(t.is_pinned() for t in state.cpu.values())
+        fetcher = attached(model).fetcher
+        pinned = all(t.is_pinned() for t in fetcher.cpu.values())
         with torch.no_grad():
             outs = [model(ids.to("cuda:0")) for _ in range(3)]
-        runner = model._big_model_runner
-        side = bool(runner._streams)
+        side = bool(fetcher._streams)
         assert pinned and side and all(close(o) for o in outs), (pinned, side)
-        return f"outputs equal; {len(state.cpu)} pinned CPU tensors; copies on a side stream"
+        return f"outputs equal; {len(fetcher.cpu)} pinned CPU tensors; copies on a side stream"
 
     def disk_offload_to_gpu() -> str:
         model = Stack(arguments.layers, arguments.width).eval()
@@ -180,6 +261,14 @@ def main() -> int:
     check("disk_offload to cuda:0", disk_offload_to_gpu)
     check(f"map over {gpus} GPU(s), cpu and disk", spread_over_gpus)
     check("CPU-offloaded forward beside accelerate", offload_speed)
+    check(
+        "KeyboardInterrupt inside a block on cuda:0",
+        lambda: interrupt_inside_a_block(reference, ids, "cuda:0"),
+    )
+    check(
+        "cpu_offload to cuda:0 with a CPU input, read at once",
+        lambda: cpu_input_read_at_once(reference, ids, "cuda:0"),
+    )
     return 1 if "FAIL" in RESULTS else 0
 
 

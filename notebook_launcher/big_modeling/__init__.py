@@ -17,27 +17,27 @@ if TYPE_CHECKING:
         get_balanced_memory,
         infer_auto_device_map,
     )
-    from notebook_launcher.big_modeling.dispatch import (
+    from notebook_launcher.big_modeling.empty import init_empty_weights, init_on_device
+    from notebook_launcher.big_modeling.estimate import MemoryEstimate, estimate_memory
+    from notebook_launcher.big_modeling.loading import load_checkpoint_in_model
+    from notebook_launcher.big_modeling.model_dispatch import (
         cpu_offload,
         disk_offload,
         dispatch_model,
         load_checkpoint_and_dispatch,
         remove_hooks,
     )
-    from notebook_launcher.big_modeling.empty import init_empty_weights, init_on_device
-    from notebook_launcher.big_modeling.estimate import MemoryEstimate, estimate_memory
-    from notebook_launcher.big_modeling.loading import load_checkpoint_in_model
     from notebook_launcher.big_modeling.show import show_device_map
 
 _WHERE = {
     "DeviceMap": "device_map",
     "get_balanced_memory": "device_map",
     "infer_auto_device_map": "device_map",
-    "cpu_offload": "dispatch",
-    "disk_offload": "dispatch",
-    "dispatch_model": "dispatch",
-    "load_checkpoint_and_dispatch": "dispatch",
-    "remove_hooks": "dispatch",
+    "cpu_offload": "model_dispatch",
+    "disk_offload": "model_dispatch",
+    "dispatch_model": "model_dispatch",
+    "load_checkpoint_and_dispatch": "model_dispatch",
+    "remove_hooks": "model_dispatch",
     "init_empty_weights": "empty",
     "init_on_device": "empty",
     "MemoryEstimate": "estimate",

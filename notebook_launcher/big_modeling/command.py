@@ -1,5 +1,6 @@
-"""``notebook-launcher estimate-memory CONFIG.json``: the per-rank memory estimate on the
-command line, from a local config (nothing is downloaded)."""
+"""``notebook-launcher estimate-memory CONFIG.json [--inference]``: the per-rank memory
+estimate of training (or running) a model on the command line, from a local config
+(nothing is downloaded)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from typing import Any
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser(
         "estimate-memory",
-        help="memory to train a model from its config.json, per rank (nothing is downloaded)",
+        help="memory to train (or run) a model from its config.json, per rank (nothing is downloaded)",
         description="Build the model of CONFIG (a transformers config.json) on the meta device "
         "and print what one rank needs to train it with AdamW: parameters, gradients, "
-        "optimizer state, and the activations of one forward, traced. Exits 2 on bad input.",
+        "optimizer state, and the activations of one forward, traced. With --inference: "
+        "what running it takes: the weights, the KV cache, and one forward's activations. "
+        "Exits 2 on bad input.",
     )
     parser.add_argument("config", metavar="CONFIG.json", help="a transformers config file")
     parser.add_argument("--dtype", default=None, help="weights' dtype (default: the config's)")
@@ -50,6 +53,12 @@ def add_parser(commands: Any) -> None:
         default="ddp",
         help="how ranks split the model (default: ddp)",
     )
+    parser.add_argument(
+        "--inference",
+        action="store_true",
+        help="the memory to run the model (weights, KV cache for --batch-size sequences of "
+        "--sequence-length tokens, activations), not to train it",
+    )
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON (bytes)")
 
 
@@ -67,6 +76,7 @@ def run(arguments: argparse.Namespace) -> int:
             lora_target_modules=arguments.lora_target_modules,
             world_size=arguments.world_size,
             sharding=arguments.sharding,
+            training=not arguments.inference,
         )
     except BigModelError as error:
         print(f"notebook-launcher: error: {error}", file=sys.stderr)

@@ -11,21 +11,14 @@ from typing import Any, Union
 
 import torch
 
-from notebook_launcher.big_modeling.sizes import (
-    Size,
-    Weight,
-    format_bytes,
-    model_weights,
-    owns,
-    parse_budget,
-    resolve_dtype,
-)
+from notebook_launcher.big_modeling.inventory import Weight, model_weights, owns
+from notebook_launcher.big_modeling.sizes import Size, format_bytes, parse_budget, resolve_dtype
 from notebook_launcher.errors import DeviceMapError
 
 Device = Union[int, str, torch.device]
 
 
-class DeviceMap(OrderedDict):
+class DeviceMap(OrderedDict[str, str]):
     """A device map (module name -> device) that remembers the sizes and budgets it was made
     from, so that it draws itself in a notebook (``_repr_html_``) and prints as a plan."""
 
@@ -188,6 +181,39 @@ def _units(
         if t is not None and n not in module._non_persistent_buffers_set
     ]
     return units
+
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+
+
+def pieces(
+    model: torch.nn.Module, entry: str, sizes: Mapping[str, int], no_split: set[str]
+) -> list[str]:
+    """The one rule for splitting a module, shared by the planner and the runtime: a module
+    is split into its children and own tensors while it weighs more than the model's largest
+    piece that cannot be split (a ``no_split`` class, or a module without children). So an
+    offloaded entry is lent one piece at a time, and no piece weighs more than the room the
+    planner keeps on the first GPU for running offloaded blocks. Containers (ModuleList,
+    ModuleDict, Sequential) are always split: models iterate them rather than call them,
+    so their own forward may never run to lend their weights."""
+    limit = largest_unsplittable(model, sizes, no_split)[1]
+    modules = dict(model.named_modules())
+    if entry not in modules:
+        return [entry]  # a tensor named in the map
+    found: list[str] = []
+    stack: list[tuple[str, torch.nn.Module | None]] = [(entry, modules[entry])]
+    while stack:
+        name, module = stack.pop(0)
+        container = isinstance(module, _CONTAINERS)
+        if (
+            module is None
+            or _unsplittable(module, no_split)
+            or (sizes.get(name, 0) <= limit and not container)
+        ):
+            found.append(name)
+        else:
+            stack[:0] = _units(model, name, module)
+    return found
 
 
 def largest_unsplittable(

@@ -8,8 +8,6 @@ from typing import Any
 
 import torch
 
-_FACTORIES = ("empty", "zeros", "ones", "full")
-
 
 @contextlib.contextmanager
 def init_empty_weights(include_buffers: bool | None = None) -> Iterator[None]:

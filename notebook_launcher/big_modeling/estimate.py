@@ -1,10 +1,13 @@
-"""``estimate_memory``: what training a model takes per rank, before building it for real.
+"""``estimate_memory``: what training a model takes per rank, or running it for inference,
+before building it for real.
 
 Parameters, gradients and AdamW's two moments are counted from the model's shapes; the
 activations of one forward (with the loss) are *traced*: the model runs on the ``meta``
 device (shapes only, no memory, no compute) while a saved-tensors hook adds up what
 autograd keeps for the backward pass. With LoRA, only the adapters train; with several
-ranks, DDP keeps everything on each rank, FSDP2 splits it.
+ranks, DDP keeps everything on each rank, FSDP2 splits it. For inference
+(``training=False``): the weights, the KV cache that generation keeps, and the peak of one
+forward's activations without autograd.
 """
 
 from __future__ import annotations
@@ -14,18 +17,21 @@ import json
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from notebook_launcher.big_modeling.empty import init_empty_weights
-from notebook_launcher.big_modeling.sizes import format_bytes, model_weights, resolve_dtype
+from notebook_launcher.big_modeling.inference_memory import inference_activations, kv_cache_bytes
+from notebook_launcher.big_modeling.inventory import Weight, model_weights
+from notebook_launcher.big_modeling.sizes import format_bytes, resolve_dtype
 from notebook_launcher.errors import BigModelError
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank needs to train a model with AdamW (all figures per rank).
+    """Bytes one rank needs to train a model with AdamW (all figures per rank), or, with
+    ``training=False``, to run it for inference (no gradients, no optimizer state).
 
     Attributes:
         model: the model's class name.
@@ -49,6 +55,11 @@ class MemoryEstimate:
         communication: bytes of collective buffers: DDP's gradient buckets (one copy of
             the gradients), or for FSDP2 two layers gathered whole (the one computing and
             the one prefetched), with their gradients.
+        training: whether these are the figures of training (else of inference).
+        kv_cache_bytes: bytes of the KV cache for ``batch_size`` sequences of
+            ``sequence_length`` tokens: 2 x layers x batch x sequence x kv_heads x head_dim
+            x itemsize (kv_heads from grouped-query attention where the model uses it);
+            0 when training, and for models that do not generate.
         activations_method: ``"traced"`` (measured on the meta device), ``"formula"``
             (a transformer's per-layer estimate, when tracing failed) or ``"none"`` (a
             plain module given without an example input).
@@ -70,16 +81,20 @@ class MemoryEstimate:
     activations: int
     communication: int
     activations_method: str
+    training: bool = True
+    kv_cache_bytes: int = 0
 
     @property
     def total(self) -> int:
-        """Everything above added: the peak of one training step on one rank, roughly."""
+        """Everything above added: the peak of one training step (or one forward with its
+        cache, for inference) on one rank, roughly."""
         return (
             self.parameters
             + self.gradients
             + self.optimizer_state
             + self.activations
             + self.communication
+            + self.kv_cache_bytes
         )
 
     @property
@@ -93,6 +108,13 @@ class MemoryEstimate:
         return data
 
     def _rows(self) -> list[tuple[str, int]]:
+        if not self.training:
+            return [
+                ("weights", self.parameters),
+                ("KV cache", self.kv_cache_bytes),
+                (f"activations ({self.activations_method})", self.activations),
+                ("total", self.total),
+            ]
         return [
             ("parameters", self.parameters),
             ("gradients", self.gradients),
@@ -103,6 +125,11 @@ class MemoryEstimate:
         ]
 
     def _title(self) -> str:
+        if not self.training:
+            return (
+                f"{self.model}: {self.num_parameters:,} parameters in {self.dtype}, inference, "
+                f"batch {self.batch_size} x {self.sequence_length} tokens"
+            )
         how = f"LoRA rank {self.lora_rank}" if self.lora_rank else "full fine-tuning"
         ranks = f", {self.world_size} ranks ({self.sharding})" if self.world_size > 1 else ""
         return (
@@ -140,8 +167,10 @@ def estimate_memory(
     world_size: int = 1,
     sharding: str = "ddp",
     example_input: Any = None,
+    training: bool = True,
 ) -> MemoryEstimate:
-    """Per-rank memory to train ``model_or_config`` with AdamW, activations included.
+    """Per-rank memory to train ``model_or_config`` with AdamW, activations included; with
+    ``training=False``, the memory to run it: weights, KV cache and one forward's activations.
 
     ``model_or_config`` is a model (built for real or with :func:`init_empty_weights`), a
     transformers config, a config dict, or the path of a ``config.json``: it is built on
@@ -152,6 +181,12 @@ def estimate_memory(
     trainable parameters. ``world_size`` and ``sharding`` (``"ddp"`` or ``"fsdp"``) give
     the figures of one rank; ``batch_size`` is per rank. A model that is not a transformers
     model needs ``example_input`` (what its forward takes) for its activations.
+
+    With ``training=False`` there are no gradients, optimizer state or collective buffers;
+    ``kv_cache_bytes`` is the cache of ``batch_size`` sequences of ``sequence_length``
+    tokens (prompt and generated tokens together), and the activations are the peak one
+    forward over the whole sequence holds at once (its logits included), traced on the
+    meta device without autograd.
 
     Raises:
         BigModelError: a bad size, dtype, sharding or target module, or a config that
@@ -190,6 +225,32 @@ def estimate_memory(
         trainable = sum(w.tensor.numel() for w in params.values() if w.tensor.requires_grad)
         trainable_bytes = trainable * size
         weight_bytes = num_parameters * size
+    if not training:
+        activations, method = _inference_activations(
+            model, chosen, batch_size, sequence_length, example_input
+        )
+        return MemoryEstimate(
+            model=type(model).__name__,
+            dtype=str(chosen).replace("torch.", ""),
+            batch_size=batch_size,
+            sequence_length=sequence_length,
+            world_size=1,
+            sharding=sharding,
+            lora_rank=lora_rank,
+            lora_target_modules=tuple(sorted({n.rsplit(".", 1)[-1] for n in targets}))
+            if lora_rank
+            else None,
+            num_parameters=num_parameters,
+            trainable_parameters=0,
+            parameters=weight_bytes,
+            gradients=0,
+            optimizer_state=0,
+            activations=activations,
+            communication=0,
+            activations_method=method,
+            training=False,
+            kv_cache_bytes=kv_cache_bytes(model, chosen, batch_size, sequence_length),
+        )
     gradients = trainable_bytes
     optimizer = 2 * trainable_bytes
     activations, method = _activations(
@@ -197,7 +258,10 @@ def estimate_memory(
     )
     layer = _largest_layer_bytes(model, size)
     if world_size > 1 and sharding == "fsdp":
-        split = lambda count: -(-count // world_size)  # noqa: E731 - ceil division
+
+        def split(count: int) -> int:
+            return -(-count // world_size)  # ceil division
+
         weight_bytes, gradients, optimizer = split(weight_bytes), split(gradients), split(optimizer)
         communication = 2 * layer + (2 * layer if not lora_rank else 0)
     elif world_size > 1:
@@ -267,7 +331,8 @@ def _as_model(model_or_config: Any) -> torch.nn.Module:
             transformers.AutoModel,
         ):
             try:
-                return auto.from_config(config)
+                built: torch.nn.Module = cast(Any, auto).from_config(config)
+                return built
             except ValueError:
                 continue
     raise BigModelError(
@@ -275,7 +340,7 @@ def _as_model(model_or_config: Any) -> torch.nn.Module:
     )
 
 
-def _model_dtype(model: torch.nn.Module, params: Mapping[str, Any]) -> torch.dtype:
+def _model_dtype(model: torch.nn.Module, params: Mapping[str, Weight]) -> torch.dtype:
     config = getattr(model, "config", None)
     config_dtype = (
         getattr(config, "dtype", None)
@@ -363,6 +428,60 @@ def _activations(
     return traced + extra, "traced"
 
 
+def _inference_activations(
+    model: torch.nn.Module, dtype: torch.dtype, batch: int, length: int, example_input: Any
+) -> tuple[int, str]:
+    meta: dict[str, torch.Tensor] = {}
+    for weight in model_weights(model).values():
+        tensor = weight.tensor
+        kind = dtype if tensor.is_floating_point() else tensor.dtype
+        value = torch.empty(tensor.shape, dtype=kind, device="meta")
+        for slot_name in weight.names:
+            meta[slot_name] = value
+    kwargs: dict[str, Any] = {}
+    if example_input is not None:
+        args = example_input if isinstance(example_input, tuple) else (example_input,)
+        args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
+    elif hasattr(model, "config") and hasattr(model, "main_input_name"):
+        ids = torch.zeros(batch, length, dtype=torch.long, device="meta")
+        # No cache (counted apart), and the causal mask given whole: transformers would
+        # otherwise inspect the position ids or the mask's values, which the meta device has not.
+        mask = torch.ones(batch, 1, length, length, dtype=torch.bool, device="meta")
+        args, kwargs = (), {"input_ids": ids, "attention_mask": mask, "use_cache": False}
+    else:
+        return 0, "none"
+    try:
+        return inference_activations(model, meta, args, kwargs), "traced"
+    except Exception:  # any op without a meta kernel: fall back to the formula
+        formula = _inference_formula(model, dtype, batch, length)
+        return (formula, "formula") if formula is not None else (0, "none")
+
+
+def _config_get(config: Any, *names: str) -> Any:
+    """The first of ``names`` the config sets (to something true), else None."""
+    return next((getattr(config, n) for n in names if getattr(config, n, None)), None)
+
+
+def _inference_formula(
+    model: torch.nn.Module, dtype: torch.dtype, batch: int, length: int
+) -> int | None:
+    """One layer's peak (its input and output, the attention scores, the MLP's widest
+    tensor), plus the logits in float32."""
+    config = getattr(model, "config", None)
+
+    def get(*names: str) -> Any:
+        return _config_get(config, *names)
+
+    hidden = get("hidden_size", "n_embd", "d_model")
+    heads = get("num_attention_heads", "n_head")
+    if not (hidden and heads):
+        return None
+    wide = get("intermediate_size", "n_inner") or 4 * hidden
+    vocab = get("vocab_size") or 0
+    per_layer = batch * (2 * length * hidden + heads * length * length + 2 * length * wide)
+    return int(per_layer * dtype.itemsize + batch * length * vocab * 4)
+
+
 def _trace(
     model: torch.nn.Module,
     params: Mapping[str, Any],
@@ -421,7 +540,10 @@ def _trace(
 def _formula(model: torch.nn.Module, dtype: torch.dtype, batch: int, length: int) -> int | None:
     """Korthikanti et al. (2022): s*b*h*(34 + 5*a*s/h) bytes per layer in 16-bit, plus logits."""
     config = getattr(model, "config", None)
-    get = lambda *names: next((getattr(config, n) for n in names if getattr(config, n, None)), None)  # noqa: E731
+
+    def get(*names: str) -> Any:
+        return _config_get(config, *names)
+
     hidden = get("hidden_size", "n_embd", "d_model")
     layers = get("num_hidden_layers", "n_layer", "num_layers")
     heads = get("num_attention_heads", "n_head")

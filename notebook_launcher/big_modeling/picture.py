@@ -1,5 +1,6 @@
 """The plan, drawn: one bar per device with its budget and the blocks it holds, coloured by
-device, the largest block marked. HTML in a notebook, text in a script. Every module name is
+device, the largest block marked; the room each device has left (for the KV cache), and
+the bytes each forward brings in from the CPU and the disk. HTML in a notebook, text in a script. Every module name is
 escaped (and kept from MathJax), so a name with ``<img onerror>`` or ``$`` shows as written."""
 
 from __future__ import annotations
@@ -34,6 +35,37 @@ class DeviceRow:
     @property
     def used(self) -> int:
         return sum(size for _name, size in self.blocks)
+
+    @property
+    def room(self) -> int | None:
+        """What the budget leaves beside the weights: the room for the KV cache and activations."""
+        return None if self.budget is None else max(0, self.budget - self.used)
+
+
+def moved_per_forward(all_rows: list[DeviceRow]) -> tuple[int, int]:
+    """Bytes of weights each forward brings in: (from CPU memory, from disk). CPU blocks
+    move only where a GPU runs them; disk blocks are read every forward."""
+    gpus = any(r.device.startswith("cuda:") and r.blocks for r in all_rows)
+    cpu = sum(r.used for r in all_rows if r.device == "cpu") if gpus else 0
+    disk = sum(r.used for r in all_rows if r.device == "disk")
+    return cpu, disk
+
+
+def _moves(all_rows: list[DeviceRow]) -> str:
+    cpu, disk = moved_per_forward(all_rows)
+    parts = [f"reads {format_bytes(disk)} from disk"] if disk else []
+    parts += [f"copies {format_bytes(cpu)} from CPU memory to the GPU"] if cpu else []
+    return "Each forward " + " and ".join(parts) + "." if parts else ""
+
+
+def _room(row: DeviceRow, all_rows: list[DeviceRow]) -> str:
+    """The room a device has left; the KV cache sits where the layers run: the GPUs, or the
+    CPU when no GPU is used."""
+    if row.room is None:
+        return ""
+    gpus = any(r.device.startswith("cuda:") and r.blocks for r in all_rows)
+    runs_layers = row.device.startswith("cuda:") or not gpus
+    return f"{format_bytes(row.room)} {'left for the KV cache' if runs_layers else 'free'}"
 
 
 def colour(device: str) -> str:
@@ -82,6 +114,8 @@ def plan_text(device_map: Any) -> str:
         filled = min(20, round(20 * row.used / scale)) if scale else 0
         bar = "#" * filled + "." * (20 - filled)
         limit = f"of {format_bytes(row.budget)}" if row.budget is not None else "(no limit)"
+        if _room(row, all_rows):
+            limit += f", {_room(row, all_rows)}"
         names = [(_label(n) + ("*" if n == largest else "")) for n, _s in row.blocks]
         shown = ", ".join(names[:_SHOWN_NAMES]) + (
             f", ... ({len(names)} blocks)" if len(names) > _SHOWN_NAMES else ""
@@ -89,6 +123,8 @@ def plan_text(device_map: Any) -> str:
         lines.append(
             f"{row.device:<{width}} [{bar}] {format_bytes(row.used)} {limit}: {shown or 'nothing'}"
         )
+    if _moves(all_rows):
+        lines.append(_moves(all_rows))
     return "\n".join(_printable(line) for line in lines)
 
 
@@ -110,7 +146,8 @@ def plan_html(device_map: Any) -> str:
         'sans-serif;font-size:13px;max-width:760px">',
         f'<div style="margin-bottom:6px"><b>Device map</b>: {_count(len(device_map))}, '
         f"{esc(format_bytes(total))} of weights. &#9733; marks the largest block"
-        f"{': <code>' + esc(_label(largest)) + '</code>' if largest is not None else ''}.</div>",
+        f"{': <code>' + esc(_label(largest)) + '</code>' if largest is not None else ''}."
+        f"{' ' + esc(_moves(all_rows)) if _moves(all_rows) else ''}</div>",
     ]
     for row in all_rows:
         scale = max(row.budget or 0, row.used, 1)
@@ -142,9 +179,14 @@ def plan_html(device_map: Any) -> str:
                 f'background:{colour(row.device)};{shade}{border}">{star}</div>'
             )
         parts.append("</div>")
+        room = (
+            f'<br><span style="color:#444">{esc(_room(row, all_rows))}</span>'
+            if _room(row, all_rows)
+            else ""
+        )
         parts.append(
-            f'<div style="width:170px;{"color:#b00020;" if over else ""}">'
-            f"{esc(format_bytes(row.used))} {esc(limit)}</div></div>"
+            f'<div style="width:190px;{"color:#b00020;" if over else ""}">'
+            f"{esc(format_bytes(row.used))} {esc(limit)}{room}</div></div>"
         )
         names = [(("&#9733; " if n == largest else "") + esc(_label(n))) for n, _s in row.blocks]
         shown = ", ".join(names[:_SHOWN_NAMES])

@@ -18,12 +18,11 @@ def show_device_map(model_or_map: Any) -> None:
     as bars, in a script as text. Returns nothing, so that a cell ending with it draws once."""
     plan: DeviceMap
     if isinstance(model_or_map, torch.nn.Module):
-        saved = getattr(model_or_map, "_big_model_plan", None)
         mapping = getattr(model_or_map, "hf_device_map", None)
         if mapping is None:
             first = next(iter(model_or_map.parameters()), None)
             mapping = {"": str(first.device) if first is not None else "cpu"}
-        budgets = getattr(saved, "budgets", {}) if saved is not None else {}
+        budgets = mapping.budgets if isinstance(mapping, DeviceMap) else {}
         plan = DeviceMap(mapping, sizes=module_sizes(model_or_map), budgets=budgets)
     elif isinstance(model_or_map, DeviceMap):
         plan = model_or_map
@@ -34,8 +33,9 @@ def show_device_map(model_or_map: Any) -> None:
             f"show_device_map() takes a model or a device map, not a {type(model_or_map).__name__}."
         )
     if _in_notebook():
-        from IPython.display import display
+        from IPython import display as ipython_display
 
+        display: Any = ipython_display.display  # untyped
         # Both forms: the text is what a saved notebook shows where HTML is not rendered.
         display({"text/html": plan._repr_html_(), "text/plain": plan.describe()}, raw=True)
     else:

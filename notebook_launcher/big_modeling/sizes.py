@@ -1,9 +1,8 @@
-"""Budgets ("40MB", "2GiB", bytes), dtypes, and what each weight of a model weighs."""
+"""Sizes: budgets ("40MB", "2GiB", bytes), the dtypes weights take, and the bytes of a shape."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from typing import Union
 
 import torch
@@ -90,67 +89,3 @@ def nbytes(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> int:
     for dim in shape:
         count *= int(dim)
     return count * dtype.itemsize
-
-
-@dataclass
-class Slot:
-    """One place a tensor sits in the model: ``module.<attr>`` (a parameter or a buffer)."""
-
-    name: str
-    module: torch.nn.Module
-    attr: str
-    is_parameter: bool
-    persistent: bool
-
-
-@dataclass
-class Weight:
-    """One tensor of the model with every name it has (tied weights have several)."""
-
-    name: str  # the first name, under which it is stored and offloaded
-    tensor: torch.Tensor
-    slots: list[Slot] = field(default_factory=list)
-
-    @property
-    def names(self) -> list[str]:
-        return [s.name for s in self.slots]
-
-    def size(self, dtype: torch.dtype | None = None) -> int:
-        return nbytes(self.tensor.shape, target_dtype(self.tensor.dtype, dtype))
-
-    @property
-    def is_parameter(self) -> bool:
-        return self.slots[0].is_parameter
-
-    @property
-    def persistent(self) -> bool:
-        return any(s.persistent for s in self.slots)
-
-
-def model_weights(model: torch.nn.Module) -> dict[str, Weight]:
-    """Every tensor of the model once, by first name; tied weights gather all their names."""
-    by_identity: dict[int, Weight] = {}
-    ordered: dict[str, Weight] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for kind, tensors in (("p", module._parameters), ("b", module._buffers)):
-            for attr, tensor in tensors.items():
-                if tensor is None:
-                    continue
-                name = f"{prefix}.{attr}" if prefix else attr
-                persistent = kind == "p" or attr not in module._non_persistent_buffers_set
-                slot = Slot(name, module, attr, kind == "p", persistent)
-                weight = by_identity.get(id(tensor))
-                if weight is None:
-                    weight = by_identity[id(tensor)] = ordered[name] = Weight(name, tensor)
-                weight.slots.append(slot)
-    return ordered
-
-
-def alias_table(weights: dict[str, Weight]) -> dict[str, str]:
-    """Any name of a tensor -> its first name."""
-    return {slot.name: weight.name for weight in weights.values() for slot in weight.slots}
-
-
-def owns(key: str, name: str) -> bool:
-    """Whether the device-map entry ``key`` covers the tensor or module ``name``."""
-    return key == "" or name == key or name.startswith(key + ".")

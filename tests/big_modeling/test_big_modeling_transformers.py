@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow(
 def results() -> dict[str, dict[str, object]]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), TQDM_DISABLE="1")
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "big_model_scripts" / "real_models.py")],
+        [sys.executable, str(ROOT / "tests" / "support" / "big_model_scripts" / "real_models.py")],
         capture_output=True,
         text=True,
         env=env,
@@ -75,3 +75,28 @@ def test_estimate_memory_command_reads_a_local_config(results):
         "cannot read a JSON config there" in command["bad_err"]
         and "missing.json" in command["bad_err"]
     )
+
+
+def test_kv_cache_estimate_equals_the_cache_a_grouped_query_llama_keeps(results):
+    inference = results["inference"]
+    estimate = inference["estimate"]
+    # 2 x 3 layers x batch 3 x 11 tokens x 2 kv heads x head_dim 8 x 4 bytes
+    assert inference["measured_kv"] == 2 * 3 * 3 * 11 * 2 * 8 * 4
+    assert estimate["kv_cache_bytes"] == inference["measured_kv"]
+    assert inference["half_kv"] == inference["measured_kv"] // 2
+    assert estimate["training"] is False
+    assert estimate["gradients"] == 0 and estimate["optimizer_state"] == 0
+    assert estimate["communication"] == 0
+    assert estimate["activations_method"] == "traced"
+    assert estimate["activations"] >= inference["logits_bytes"]  # the logits are held at the end
+    assert estimate["total"] == (
+        estimate["parameters"] + estimate["kv_cache_bytes"] + estimate["activations"]
+    )
+
+
+def test_estimate_memory_inference_command_prints_the_same_figures(results):
+    inference = results["inference"]
+    assert inference["command_codes"] == [0, 0]
+    assert inference["command_json"] == inference["estimate"]
+    assert inference["command_text"].strip() == inference["estimate_text"]
+    assert "KV cache" in inference["command_text"] and "gradients" not in inference["command_text"]

@@ -138,6 +138,57 @@ def estimate_against_autograd() -> dict[str, object]:
     }
 
 
+def inference_estimate(root: str) -> dict[str, object]:
+    """The KV cache estimate against the cache a grouped-query Llama really keeps (8 query
+    heads, 2 of keys and values), and the same figures from the command line."""
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=99,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(3, 99, (3, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        output = model(ids, use_cache=True)
+    cache = getattr(output, "cache", None)
+    if cache is None:
+        cache = output.past_key_values
+    measured = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    estimate = bm.estimate_memory(config, batch_size=3, sequence_length=11, training=False)
+    half = bm.estimate_memory(
+        config, dtype="bfloat16", batch_size=3, sequence_length=11, training=False
+    )
+    path = os.path.join(root, "gqa.json")
+    config.to_json_file(path)
+    runs = {}
+    for form in ("json", "text"):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = cli.main(
+                ["estimate-memory", path, "--inference", "--batch-size", "3"]
+                + ["--sequence-length", "11"]
+                + (["--json"] if form == "json" else [])
+            )
+        runs[form] = {"code": code, "out": out.getvalue()}
+    return {
+        "measured_kv": measured,
+        "estimate": estimate.to_dict(),
+        "estimate_text": str(estimate),
+        "half_kv": half.kv_cache_bytes,
+        "logits_bytes": int(output.logits.nbytes),
+        "command_json": json.loads(runs["json"]["out"]),
+        "command_text": runs["text"]["out"],
+        "command_codes": [runs["json"]["code"], runs["text"]["code"]],
+    }
+
+
 def command(root: str) -> dict[str, object]:
     path = os.path.join(root, "config.json")
     CASES["llama"][0].to_json_file(path)
@@ -181,6 +232,7 @@ def main() -> None:
         results = {name: one_model(name, root) for name in CASES}
         results["estimate"] = estimate_against_autograd()
         results["command"] = command(root)
+        results["inference"] = inference_estimate(root)
     sys.stdout.write(json.dumps(results) + "\n")
 
 

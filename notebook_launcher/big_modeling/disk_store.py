@@ -1,5 +1,6 @@
-"""Where offloaded weights wait between forwards: in CPU memory, or in one file per block on
-disk, laid out so that a whole block comes back in one read."""
+"""The offload folder: weights sent to disk, one file per block, laid out so that a whole
+block comes back in one read; its descriptors are owned, closed, and its files removed when
+the load that wrote them fails."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ class Placed:
         return nbytes(self.shape, self.dtype)
 
 
-def check_writable(folder: str | os.PathLike[str] | None, needed_by: str) -> Path:
+def check_writable(folder: str | os.PathLike[str] | None, needed_by: str) -> tuple[Path, bool]:
+    """The folder, created if needed, and whether it was created here."""
     if folder is None:
         raise OffloadFolderError(
             f"{needed_by} sends weights to the disk, and no offload_folder was given; pass "
@@ -43,6 +45,7 @@ def check_writable(folder: str | os.PathLike[str] | None, needed_by: str) -> Pat
             "everything fits in memory."
         )
     path = Path(folder)
+    made = not path.exists()
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-test-{os.getpid()}"
@@ -53,17 +56,19 @@ def check_writable(folder: str | os.PathLike[str] | None, needed_by: str) -> Pat
             f"offload_folder={os.fspath(path)!r} cannot be written ({e.strerror or e}); pass a "
             "folder this process may create files in, on a disk with room for the offloaded weights."
         ) from e
-    return path
+    return path, made
 
 
 class DiskStore:
     """Offloaded weights in ``folder``: one file per block, tensors back to back."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, made_folder: bool = False) -> None:
         self.folder = folder
         self.placed: dict[str, Placed] = {}
         self.file_sizes: dict[str, int] = {}
         self.written: set[str] = set()
+        self.created: list[Path] = []  # files this store made: removed if the load fails
+        self._made_folder = made_folder
         self._write_fds: dict[str, int] = {}
         self._read_fds: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -79,6 +84,8 @@ class DiskStore:
         self.file_sizes[file] = offset
         path = self.folder / file
         try:
+            if not path.exists():
+                self.created.append(path)
             with open(path, "wb") as f:
                 f.truncate(offset)
         except OSError as e:
@@ -115,8 +122,42 @@ class DiskStore:
             }
             for name, p in self.placed.items()
         }
+        if not (self.folder / INDEX).exists():
+            self.created.append(self.folder / INDEX)
         with open(self.folder / INDEX, "w") as f:
             json.dump(index, f, indent=1)
+
+    def adopt(self, wanted: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Take as written the weights of ``wanted`` (name -> shape, dtype) that the folder's
+        index lists with that shape and dtype: what an earlier load wrote there."""
+        try:
+            with open(self.folder / INDEX) as f:
+                index = json.load(f)
+        except (OSError, ValueError):
+            return
+        for name, (shape, dtype) in wanted.items():
+            entry = index.get(name) if isinstance(index, dict) else None
+            if (
+                not isinstance(entry, dict)
+                or tuple(entry.get("shape", ())) != shape
+                or entry.get("dtype") != str(dtype)
+                or not (self.folder / str(entry.get("file"))).is_file()
+            ):
+                continue
+            self.placed[name] = Placed(str(entry["file"]), int(entry["offset"]), shape, dtype)
+            self.written.add(name)
+
+    def abort(self) -> None:
+        """Close every descriptor and remove what this store wrote (a load failed)."""
+        self.close()
+        for path in reversed(self.created):
+            path.unlink(missing_ok=True)
+        self.created.clear()
+        if self._made_folder:
+            try:
+                self.folder.rmdir()
+            except OSError:
+                pass  # something else was put there meanwhile
 
     def _fd(self, file: str, write: bool) -> int:
         # Shared by the prefetch thread and the caller; pread/pwrite need no shared position.

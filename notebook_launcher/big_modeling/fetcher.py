@@ -1,0 +1,174 @@
+"""The weight fetcher: brings a block's offloaded weights to the device that runs it, one
+block ahead, on a side thread (and on a GPU through a side CUDA stream, from pinned memory,
+without blocking), into a small pool of reused read buffers.
+
+It owns the thread, the streams, the buffers and the offload folder's descriptors, and
+holds nothing of the model itself, so that collecting the model can close it.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from notebook_launcher.big_modeling.disk_store import DiskStore
+
+THREAD_PREFIX = "big-model-prefetch"
+_cuda: Any = torch.cuda  # its Stream and Event are untyped
+_KEPT_BUFFERS = 3  # the block running, the one fetched ahead, and one of another size
+
+
+@dataclass
+class Needs:
+    """What one block borrows: weights by name from the CPU store, the disk, or another device."""
+
+    device: torch.device
+    cpu: list[str] = field(default_factory=list)
+    disk: list[str] = field(default_factory=list)
+    elsewhere: dict[str, torch.Tensor] = field(default_factory=dict)  # ties across devices
+
+    @property
+    def ahead(self) -> bool:
+        """Worth a side thread: a read from disk, or a copy to a GPU."""
+        return bool(self.disk) or self.device.type == "cuda"
+
+
+@dataclass
+class Fetched:
+    tensors: dict[str, torch.Tensor]
+    event: Any = None  # a CUDA event the copies recorded, waited on before use
+    buffers: list[torch.Tensor] = field(default_factory=list)  # read buffers, maybe reused
+
+
+def _sole_owner(buffer: torch.Tensor) -> bool:
+    """Whether nothing but ``buffer`` itself views its memory (no output, no autograd graph)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:  # pragma: no cover - every torch this supports has it
+        return False
+    # One reference from ``buffer``, one from the storage object made to ask.
+    return bool(use_count(buffer.untyped_storage()._cdata) <= 2)
+
+
+class WeightFetcher:
+    def __init__(
+        self, needs: dict[int, Needs], cpu: dict[str, torch.Tensor], disk: DiskStore | None
+    ) -> None:
+        self.needs = needs
+        self.cpu = cpu
+        self.disk = disk
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: tuple[int, Future[Fetched]] | None = None
+        self._lock = threading.Lock()
+        self._streams: dict[torch.device, Any] = {}
+        self._free: list[tuple[torch.Tensor, Any]] = []  # (byte buffer, event of its last copy)
+        self._closed = False
+
+    # what the hook layer calls ------------------------------------------------------------
+
+    def take(self, key: int) -> Fetched:
+        """The weights of block ``key``: the ones fetched ahead if they are these, else now."""
+        pending = self._pending
+        if pending is not None and pending[0] == key:
+            self._pending = None
+            return pending[1].result()
+        self.drop_pending()  # guessed wrong: those weights are let go, not held
+        return self._fetch(key)
+
+    def prefetch(self, key: int) -> None:
+        if self._closed or not self.needs[key].ahead:
+            return
+        self.drop_pending()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_PREFIX)
+        self._pending = (key, self._pool.submit(self._fetch, key))
+
+    def drop_pending(self) -> None:
+        """Let the block fetched ahead go (a forward ended, failed, or went elsewhere)."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending[1].cancel():
+            return
+        try:
+            fetched = pending[1].result()  # a read under way: one block, then its buffers return
+        except Exception:
+            return  # the error belongs to a fetch nobody needs any more
+        self.release(fetched)
+
+    def pending_count(self) -> int:
+        return 0 if self._pending is None else 1
+
+    def release(self, fetched: Fetched) -> None:
+        """The block ran: its read buffers go back to the pool, unless something still views
+        them (an output that is a view of a weight, or an autograd graph), which keeps them."""
+        fetched.tensors.clear()
+        buffers, fetched.buffers = fetched.buffers, []
+        reusable = [b for b in buffers if _sole_owner(b)]
+        if not reusable or self._closed:
+            return
+        with self._lock:
+            self._free.extend((b, fetched.event) for b in reusable)
+            self._free.sort(key=lambda item: -item[0].numel())
+            del self._free[_KEPT_BUFFERS:]
+
+    def close(self) -> None:
+        """End the thread, close the folder's descriptors, drop the buffers. Runs once, from
+        ``remove_hooks`` or when the model is collected."""
+        if self._closed:
+            return
+        self._closed = True
+        self.drop_pending()
+        if self._pool is not None:
+            on_worker = threading.current_thread().name.startswith(THREAD_PREFIX)
+            self._pool.shutdown(wait=not on_worker, cancel_futures=True)
+            self._pool = None
+        if self.disk is not None:
+            self.disk.close()
+        with self._lock:
+            self._free.clear()
+            self._streams.clear()
+
+    # the fetch itself ---------------------------------------------------------------------
+
+    def _fetch(self, key: int) -> Fetched:
+        needs = self.needs[key]
+        pin = needs.device.type == "cuda"
+        used: list[torch.Tensor] = []
+
+        def buffer_for(count: int) -> torch.Tensor:
+            used.append(self._buffer(count, pin))
+            return used[-1]
+
+        tensors: dict[str, torch.Tensor] = {}
+        if needs.disk and self.disk is not None:
+            tensors.update(self.disk.read(needs.disk, pin=pin, buffer_for=buffer_for))
+        for name in needs.cpu:
+            tensors[name] = self.cpu[name]
+        tensors.update(needs.elsewhere)
+        if needs.device.type != "cuda":
+            return Fetched({n: t.to(needs.device) for n, t in tensors.items()}, None, used)
+        stream = self._stream(needs.device)
+        with torch.cuda.stream(stream):
+            moved = {n: t.to(needs.device, non_blocking=True) for n, t in tensors.items()}
+            event = _cuda.Event()
+            event.record(stream)
+        return Fetched(moved, event, used)
+
+    def _buffer(self, count: int, pin: bool) -> torch.Tensor:
+        with self._lock:
+            fitting = [i for i, (b, _e) in enumerate(self._free) if b.numel() >= count]
+            if fitting:
+                buffer, event = self._free.pop(fitting[-1])  # the smallest that fits
+                if event is not None:
+                    event.synchronize()  # its last copy to the GPU has finished
+                return buffer
+        # Fresh memory costs a page fault per page, every time: hence the pool.
+        return torch.empty(count, dtype=torch.uint8, pin_memory=pin)
+
+    def _stream(self, device: torch.device) -> Any:
+        with self._lock:
+            if device not in self._streams:
+                self._streams[device] = _cuda.Stream(device)
+            return self._streams[device]
