@@ -26,6 +26,7 @@ from typing import Any
 import cloudpickle
 
 from notebook_launcher import rank_env, rank_memory
+from notebook_launcher.descendants import KILL_WAIT_S, end_descendants
 from notebook_launcher.errors import RankInputError
 from notebook_launcher.launcher.channel import (
     Failure,
@@ -36,7 +37,6 @@ from notebook_launcher.launcher.channel import (
     RankMessage,
     Result,
 )
-from notebook_launcher.launcher.descendants import KILL_WAIT_S, end_descendants
 from notebook_launcher.launcher.metric_batch import numbers_of, step_of
 from notebook_launcher.launcher.store import SECRET_ENV, protect_env_rendezvous
 from notebook_launcher.tracking import add_metric_flush, add_metric_sink, add_progress_sink

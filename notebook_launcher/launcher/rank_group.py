@@ -27,8 +27,8 @@ from typing import Any, Callable
 
 import cloudpickle
 
+from notebook_launcher import descendants
 from notebook_launcher.errors import LaunchCleanupWarning, LaunchError, RankFailure
-from notebook_launcher.launcher import descendants
 from notebook_launcher.launcher.backends.base import (
     Backend,
     Ended,
