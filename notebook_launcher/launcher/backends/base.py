@@ -41,6 +41,18 @@ from notebook_launcher.launcher.rank import RankEnds, RankSpec
 if TYPE_CHECKING:
     from notebook_launcher.launcher.plan_types import LaunchPlan
 
+__all__ = [
+    "Backend",
+    "BackendOption",
+    "Ended",
+    "RankControl",
+    "RankEnds",
+    "RankSpec",
+    "RankTarget",
+    "Started",
+    "start_ranks",
+]
+
 
 def _as_given(value: Any) -> Any:
     return value

@@ -74,7 +74,8 @@ class RankHost:
         """The node this actor was placed on: its id and address."""
         import ray
 
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+        node_ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # Ray's own
+        return ray.get_runtime_context().get_node_id(), node_ip
 
     def start(self, spec: RankSpec, payload: Any, target: RankTarget) -> int:
         import multiprocessing
