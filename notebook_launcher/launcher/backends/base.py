@@ -144,10 +144,6 @@ class Started:
     def __init__(self, controls: Sequence[RankControl]) -> None:
         self.controls: list[RankControl] = list(controls)
 
-    def signal_rank(self, rank: int, signum: int) -> None:
-        """:meth:`RankControl.signal_rank` of the rank at index ``rank`` of this start."""
-        self.controls[rank].signal_rank(signum)
-
     def close(self) -> None:
         """Free what the start holds beyond its ranks; called once, after they ended."""
         return None
