@@ -1,11 +1,11 @@
 """Launch overhead against the peers, side by side in one run.
 
-Each contender launches the same 2-rank job many times in this one process (gloo init,
+Each contender launches the same N-rank job many times in this one process (gloo init,
 one all_reduce, destroy, return), in interleaved rounds so that machine noise hits all
-of them alike. Prints medians and ratios; also how long a rank's exception takes to
-surface as the caller's exception.
+of them alike. Prints medians and ratios for each N; also how long a rank's exception
+takes to surface as the caller's exception.
 
-    python benchmarks/bench_launch.py [--rounds 15]
+    python benchmarks/bench_launch.py [--rounds 15] [--world-sizes 2,4,8] [--no-accelerate]
 """
 
 from __future__ import annotations
@@ -75,6 +75,34 @@ def accelerate_debug_launcher() -> object:
     return debug_launcher(job, num_processes=WORLD_SIZE)
 
 
+def measure(rounds: int, with_accelerate: bool) -> None:
+    """Every contender at ``WORLD_SIZE`` ranks, interleaved; prints medians and ratios."""
+    contenders: dict[str, Callable[[], object]] = {
+        "start_processes fork (floor)": torch_fork_floor,
+        "notebook_launcher fork": ours("fork"),
+        "notebook_launcher forkserver (warm)": ours("forkserver"),
+    }
+    if with_accelerate:
+        contenders["accelerate.notebook_launcher"] = accelerate_notebook_launcher
+        contenders["accelerate.debug_launcher"] = accelerate_debug_launcher
+    for launch in contenders.values():  # warm-up: imports, the forkserver's first start
+        launch()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, launch in contenders.items():
+            started = time.perf_counter()
+            launch()
+            times[name].append(time.perf_counter() - started)
+    floor = statistics.median(times["start_processes fork (floor)"])
+    peer = "accelerate.notebook_launcher"
+    print(f"\nlaunch of a {WORLD_SIZE}-rank gloo job, median of {rounds} interleaved rounds")
+    print(f"{'contender':40s} {'median ms':>10s} {'x floor':>8s} {'x accelerate':>13s}")
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        against = f"{median / statistics.median(times[peer]):13.2f}" if peer in times else " " * 13
+        print(f"{name:40s} {median * 1e3:10.1f} {median / floor:8.2f} {against}")
+
+
 def raise_on_rank_one(*_: object) -> None:
     if os.environ["RANK"] == "1":
         raise RuntimeError(repr(time.time()))
@@ -99,34 +127,18 @@ def _floats_in(text: str) -> list[str]:
 
 
 def main() -> None:
+    global WORLD_SIZE
     parser = argparse.ArgumentParser(description="launch overhead, side by side")
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--world-sizes", default="2", help="rank counts, e.g. 2,4,8")
+    parser.add_argument("--no-accelerate", action="store_true", help="leave accelerate out")
     options = parser.parse_args()
     warnings.filterwarnings("ignore")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    contenders: dict[str, Callable[[], object]] = {
-        "start_processes fork (floor)": torch_fork_floor,
-        "notebook_launcher fork": ours("fork"),
-        "notebook_launcher forkserver (warm)": ours("forkserver"),
-        "accelerate.notebook_launcher": accelerate_notebook_launcher,
-        "accelerate.debug_launcher": accelerate_debug_launcher,
-    }
-    for launch in contenders.values():  # warm-up: imports, the forkserver's first start
-        launch()
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(options.rounds):
-        for name, launch in contenders.items():
-            started = time.perf_counter()
-            launch()
-            times[name].append(time.perf_counter() - started)
-
-    floor = statistics.median(times["start_processes fork (floor)"])
-    accelerate = statistics.median(times["accelerate.notebook_launcher"])
-    print(f"launch of a 2-rank gloo job, median of {options.rounds} interleaved rounds")
-    print(f"{'contender':40s} {'median ms':>10s} {'x floor':>8s} {'x accelerate':>13s}")
-    for name, samples in times.items():
-        median = statistics.median(samples)
-        print(f"{name:40s} {median * 1e3:10.1f} {median / floor:8.2f} {median / accelerate:13.2f}")
+    for size in (int(n) for n in options.world_sizes.split(",")):
+        WORLD_SIZE = size
+        measure(options.rounds, not options.no_accelerate)
+    WORLD_SIZE = 2
 
     from notebook_launcher import notebook_launcher
 

@@ -158,7 +158,8 @@ def _end_left_behind(launch_id: str) -> None:
     """End the processes a launch of a dead kernel left: its ranks' daemons."""
     if not launch_id.isalnum():  # a record written by hand: it marks nothing of ours
         return
-    from notebook_launcher.launcher import descendants  # the registry itself is below the launcher
+    # Below the registry, as the registry is below the launcher.
+    from notebook_launcher import descendants
 
     with contextlib.suppress(Exception):  # a listing must not fail on it
         descendants.end_marked_processes(launch_id)

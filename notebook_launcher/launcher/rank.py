@@ -5,6 +5,7 @@ Kept light to import: the forkserver preloads it together with torch.
 
 from __future__ import annotations
 
+import _thread
 import builtins
 import contextlib
 import dataclasses
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any
@@ -24,6 +26,7 @@ from typing import Any
 import cloudpickle
 
 from notebook_launcher import rank_env, rank_memory
+from notebook_launcher.descendants import KILL_WAIT_S, end_descendants
 from notebook_launcher.errors import RankInputError
 from notebook_launcher.launcher.channel import (
     Failure,
@@ -34,7 +37,6 @@ from notebook_launcher.launcher.channel import (
     RankMessage,
     Result,
 )
-from notebook_launcher.launcher.descendants import KILL_WAIT_S, end_descendants
 from notebook_launcher.launcher.metric_batch import numbers_of, step_of
 from notebook_launcher.launcher.store import SECRET_ENV, protect_env_rendezvous
 from notebook_launcher.tracking import add_metric_flush, add_metric_sink, add_progress_sink
@@ -147,39 +149,45 @@ class _MemoryReporter:
     """Sends the rank's peak memory when it grew (read once a second), and once at the end.
 
     The peak starts over when the rank starts, so that a forked rank reports its own and
-    not the kernel's.
+    not the kernel's. Nothing here waits for the reading thread (neither its start nor its
+    end): on a busy machine a new thread may wait milliseconds to be scheduled, which a
+    short launch paid twice in every rank. The lock keeps a reading of the thread from
+    following the final one.
     """
 
     def __init__(self) -> None:
         self._sent_peak = -_MEMORY_STEP_BYTES
         self._stopping = threading.Event()
+        self._lock = threading.Lock()
         with contextlib.suppress(Exception):  # a reading is never worth failing a rank for
             rank_memory.reset_peak()
-        self._report()
-        self._thread = threading.Thread(
-            target=self._run, name="notebook-launcher-memory", daemon=True
-        )
-        self._thread.start()
+        # The first reading comes after a second: a function that returns sooner has only the
+        # final one, and a short launch's ranks spend nothing on readings while gloo starts.
+        _thread.start_new_thread(self._run, ())
 
     def _run(self) -> None:
         while not self._stopping.wait(MEMORY_REPORT_S):
             self._report()
 
     def _report(self, final: bool = False) -> None:
-        try:
-            reading = rank_memory.read()
-            if final or reading.peak_bytes - self._sent_peak >= _MEMORY_STEP_BYTES:
-                self._sent_peak = reading.peak_bytes
-                send(
-                    Memory(reading.kind, reading.peak_bytes, reading.current_bytes, reading.device)
-                )
-        except Exception:  # the kernel's end gone, or /proc unreadable: nothing to tell
-            return
+        with self._lock:
+            if self._stopping.is_set() and not final:
+                return
+            try:
+                reading = rank_memory.read()
+                if final or reading.peak_bytes - self._sent_peak >= _MEMORY_STEP_BYTES:
+                    self._sent_peak = reading.peak_bytes
+                    send(
+                        Memory(
+                            reading.kind, reading.peak_bytes, reading.current_bytes, reading.device
+                        )
+                    )
+            except Exception:  # the kernel's end gone, or /proc unreadable: nothing to tell
+                return
 
     def stop(self) -> None:
         """The last reading, sent before the result or the failure."""
         self._stopping.set()
-        self._thread.join()
         self._report(final=True)
 
 
@@ -318,8 +326,8 @@ def _forget_inherited_forkserver() -> None:
     and ranks (which die with the forkserver) would outlive a killed kernel. A rank that
     needs a forkserver of its own starts a fresh one.
     """
-    from multiprocessing import forkserver
-
+    # forkserver is imported with this module, in the kernel: a forked rank that imported
+    # it here paid about a millisecond before its function could start.
     server: Any = forkserver._forkserver
     alive_fd = getattr(server, "_forkserver_alive_fd", None)
     if alive_fd is not None and getattr(server, "_forkserver_pid", None) is None:

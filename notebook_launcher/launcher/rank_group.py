@@ -27,14 +27,16 @@ from typing import Any, Callable
 
 import cloudpickle
 
+from notebook_launcher import descendants
 from notebook_launcher.errors import LaunchCleanupWarning, LaunchError, RankFailure
-from notebook_launcher.launcher import descendants
 from notebook_launcher.launcher.backends.base import (
     Backend,
     Ended,
     RankControl,
     RankEnds,
     RankTarget,
+    Started,
+    start_ranks,
 )
 from notebook_launcher.launcher.channel import Failure, Hello, Memory, Progress, Result
 from notebook_launcher.launcher.events import (
@@ -195,6 +197,7 @@ class RankGroup:
         self._closed = False
         self._term_deadline: float | None = None
         self._kill_deadline: float | None = None
+        self._started: Started | None = None  # what the backend started for this group
 
     # start ----------------------------------------------------------------------------
 
@@ -203,10 +206,10 @@ class RankGroup:
         self._selector = selectors.DefaultSelector()
         for spec in self._specs:
             self.ranks.append(Rank(spec, self._with_commands))
-        controls = self.backend.start(
-            self.plan, self._specs, [r.ends for r in self.ranks], payload, target
+        self._started = start_ranks(
+            self.backend, self.plan, self._specs, [r.ends for r in self.ranks], payload, target
         )
-        for rank, control in zip(self.ranks, controls):
+        for rank, control in zip(self.ranks, self._started.controls):
             rank.started(control)
             for fd in rank.streams:
                 self._selector.register(fd, selectors.EVENT_READ, (rank, "stream"))
@@ -284,6 +287,13 @@ class RankGroup:
                 for text, is_progress in splitter.flush():
                     rank.tail.append(text)
                     self._emit(OutputLine(rank.rank, stream, text, is_progress))
+
+    def signal_rank(self, rank: int, signum: int) -> None:
+        """Send ``signum`` to the process of rank ``rank`` alone, not to what it started
+        (see :meth:`RankControl.signal_rank`); a no-op once it is gone."""
+        control = self.ranks[rank].control
+        if control is not None and self.ranks[rank].ended is None:
+            control.signal_rank(signum)
 
     def send(self, rank: int, message: Any) -> None:
         """Send a command to one rank (a group started ``with_commands``)."""
@@ -535,7 +545,10 @@ class RankGroup:
             rank.release()
         if self._selector is not None:
             self._selector.close()
-        self.backend.close()
+        if self._started is not None:
+            self._started.close()
+        else:  # the start raised: a backend that returns a list frees what it held here
+            self.backend.close()
         self._closed = True
         stuck = [r for r in self.ranks if r.control is not None and r.ended is None]
         if stuck:

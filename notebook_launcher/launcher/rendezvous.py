@@ -8,13 +8,12 @@ failed attempt never confuse the next.
 
 - One machine (``num_nodes=1``, no ``rdzv_endpoint``): the kernel hosts the store on
   ``master_addr`` (loopback by default) for each round. Nothing else is involved.
-- Several machines: the kernels meet through torch.distributed's own rendezvous.
-  ``"static"``: the machine with ``node_rank=0`` hosts the rendezvous store at
-  ``rdzv_endpoint`` (else ``master_addr:use_port``), and group ranks are the node ranks.
-  ``"c10d"``: torch's ``DynamicRendezvousHandler`` over ``C10dRendezvousBackend`` assigns
-  the group ranks (as torchrun does, in the order of its own sorting, not by
-  ``node_rank``). The kernel of group rank 0 then hosts the round's worker store and
-  publishes its address through the rendezvous store.
+- Several machines: the kernels meet through torch.distributed's own rendezvous, in the
+  way ``rdzv_backend`` names: a registered strategy (``rendezvous_strategies``: "static",
+  where the machine with ``node_rank=0`` hosts the rendezvous store at ``rdzv_endpoint``
+  and group ranks are the node ranks; "c10d", where torch's dynamic rendezvous assigns
+  them). The kernel of group rank 0 then hosts the round's worker store and publishes its
+  address through the rendezvous store.
 
 Every store listens only on the address it was given (never on all interfaces): the
 rendezvous store on the endpoint's host, the worker store on the same host where this
@@ -23,6 +22,7 @@ machine has it, else on ``rdzv_conf["local_addr"]`` or this machine's own name.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import functools
@@ -31,17 +31,21 @@ import os
 import socket
 import time
 import traceback
-from collections.abc import Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, TypeVar, Union, cast
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
 
 from notebook_launcher.errors import (
     LaunchConfigError,
-    LaunchError,
     RendezvousError,
     RendezvousTimeoutError,
 )
 from notebook_launcher.launcher.events import LaunchEvent, RendezvousWaiting
+from notebook_launcher.launcher.rendezvous_strategies import (
+    STRATEGIES,
+    RendezvousConfig,
+    is_local_address,
+    lines,
+)
 from notebook_launcher.launcher.store import (
     PortInUseError,
     RendezvousStore,
@@ -56,18 +60,13 @@ from notebook_launcher.launcher.store import (
 if TYPE_CHECKING:
     from notebook_launcher.launcher.plan import LaunchPlan
 
-_STATIC_DEFAULT_PORT = 29500  # accelerate's and torchrun's defaults
-_C10D_DEFAULT_PORT = 29400
 _WORKER_STORE_KEY = "notebook_launcher/worker_store"
 _CLOSING_KEY = "notebook_launcher/closing"
-_DEFAULT_JOIN_TIMEOUT_S = 600.0
 _RETRY_S = 0.2
 _REFUSAL_WAIT_S = 10.0  # how long a host keeps its store for machines that refuse too
 _PROBE_S = 2.0
 _FIRST_WAIT_LINE_S = 1.0  # a peer that comes at once is not worth a line
 _WAIT_LINE_EVERY_S = 5.0
-# The environment variable every machine of a launch may read its shared secret from.
-SECRET_ENV = "NOTEBOOK_LAUNCHER_RDZV_SECRET"
 # What every machine of a launch must agree on; the rendezvous refuses a launch otherwise.
 AGREED = ("num_nodes", "num_processes", "mixed_precision", "function")
 
@@ -96,34 +95,6 @@ def _releasing_stores(method: _Method) -> _Method:
     return cast(_Method, wrapper)
 
 
-@dataclasses.dataclass(frozen=True)
-class RendezvousConfig:
-    """The multi-node arguments of a launch, checked."""
-
-    backend: str  # "static" or "c10d"
-    num_nodes: int
-    node_rank: int
-    endpoint: str  # "host:port", or "" for master_addr:use_port
-    run_id: str
-    conf: dict[str, Any]
-
-    @property
-    def join_timeout_s(self) -> float:
-        value = self.conf.get("join_timeout", self.conf.get("timeout", _DEFAULT_JOIN_TIMEOUT_S))
-        return float(value)
-
-    @property
-    def secret(self) -> str | None:
-        """The value the machines share, from rdzv_conf['secret'] or the environment."""
-        value = self.conf.get("secret") or os.environ.get(SECRET_ENV) or None
-        if value is not None and not isinstance(value, str):
-            raise LaunchConfigError(
-                f"rdzv_conf['secret'] must be a string every machine of the launch shares; "
-                f"got {type(value).__name__}."
-            )
-        return value
-
-
 @dataclasses.dataclass
 class Round:
     group_rank: int
@@ -139,7 +110,23 @@ class Round:
             self.worker_store = None
 
 
-class LocalRendezvous:
+class Rendezvous(abc.ABC):
+    """Where a launch's ranks meet, round after round (one per attempt)."""
+
+    @abc.abstractmethod
+    def next_round(self, attempt: int) -> Round:
+        """This machine's place in attempt ``attempt``, once every machine joined it."""
+
+    @abc.abstractmethod
+    def finish(self) -> None:
+        """Every machine's ranks finished: wait for the others before the store goes."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Free what the rendezvous holds (its listener, its store); called on every path."""
+
+
+class LocalRendezvous(Rendezvous):
     """One machine: each round, a fresh store on ``master_addr`` hosted by the kernel."""
 
     def __init__(self, master_addr: str, port: int | None, nproc: int) -> None:
@@ -206,8 +193,9 @@ class _Clock:
         self._join = (self.started + join_s, self._join[1])
 
 
-class NodeRendezvous:
-    """Several machines, through torch.distributed's rendezvous (static or c10d)."""
+class NodeRendezvous(Rendezvous):
+    """Several machines, through torch.distributed's rendezvous (a registered
+    :class:`Strategy`: static or c10d)."""
 
     @_releasing_stores
     def __init__(
@@ -224,7 +212,8 @@ class NodeRendezvous:
     ) -> None:
         self._config = config
         self._nproc = nproc
-        default_port = _C10D_DEFAULT_PORT if config.backend == "c10d" else _STATIC_DEFAULT_PORT
+        self._strategy = STRATEGIES[config.backend](config)
+        default_port = self._strategy.default_port
         endpoint = config.endpoint or f"{_bracket(master_addr)}:{port or default_port}"
         self._host, self._port = parse_endpoint(endpoint, default_port)
         self._endpoint = endpoint
@@ -250,9 +239,27 @@ class NodeRendezvous:
         self._hosting = False
         self._store: Any = self._open_store()
         self._keys: Any = protected(self._store, self._secret)
-        self._handler: Any = None
-        if config.backend == "c10d":
-            self._handler = _dynamic_handler(config, self._keys, self._host, self._clock.limit_s())
+        self._strategy.joined(self)
+
+    # what a strategy reads ------------------------------------------------------------
+
+    @property
+    def keys(self) -> Any:
+        """The rendezvous store, under this launch's secret."""
+        return self._keys
+
+    @property
+    def host(self) -> str:
+        return self._host
+
+    @property
+    def clock(self) -> _Clock:
+        return self._clock
+
+    @property
+    def me(self) -> dict[str, Any]:
+        """What this machine says of itself to the others."""
+        return self._me
 
     # the rendezvous store --------------------------------------------------------------
 
@@ -334,12 +341,7 @@ class NodeRendezvous:
 
     def _should_host(self) -> bool | None:
         """True: must host; False: must not; None: host if nobody does yet (c10d)."""
-        if self._config.backend == "static":
-            return self._config.node_rank == 0
-        is_host = self._config.conf.get("is_host")
-        if is_host is not None:
-            return _truthy(is_host)
-        return None if _is_local_address(self._host) else False
+        return self._strategy.should_host(self._host)
 
     def _waiting(
         self, what: str, joined: tuple[int, ...], missing: tuple[int, ...], line: str
@@ -367,29 +369,11 @@ class NodeRendezvous:
 
     @_releasing_stores
     def next_round(self, attempt: int) -> Round:
-        from torch.distributed import PrefixStore
-
         config = self._config
         if attempt > 0:
             self._clock.restart()
             self._last_line = -_WAIT_LINE_EVERY_S
-        if self._handler is not None:
-            announced = f"{config.run_id}/attempt{attempt}/machines"
-            self._keys.append(announced, json.dumps(self._me) + "\n")
-            self._refuse_disagreement(
-                _lines(self._keys.get(announced)), self._keys, f"{announced}/refused"
-            )
-            try:
-                with _no_shared_store_server():
-                    info = self._handler.next_rendezvous()
-            except LaunchError:
-                raise
-            except Exception as error:
-                raise self._c10d_failure(error, announced) from error
-            group_rank, num_nodes, store = info.rank, info.world_size, info.store
-        else:
-            group_rank, num_nodes = config.node_rank, config.num_nodes
-            store = PrefixStore(f"{config.run_id}/round{attempt}", self._keys)
+        group_rank, num_nodes, store = self._strategy.round(self, attempt)
         self._meet(store, group_rank, num_nodes)
         secret = derived_secret(self._secret, config.run_id, "workers", str(attempt))
         worker_store = None
@@ -425,7 +409,7 @@ class NodeRendezvous:
                 for r in range(num_nodes)
                 if store.check([f"machine/{r}"])
             ]
-            self._refuse_disagreement(machines, store, "refused")
+            self.refuse_disagreement(machines, store, "refused")
             joined = tuple(m["group_rank"] for m in machines)
             missing = tuple(r for r in range(num_nodes) if r not in joined)
             if not missing:
@@ -449,7 +433,7 @@ class NodeRendezvous:
             )
             time.sleep(_RETRY_S)
 
-    def _refuse_disagreement(
+    def refuse_disagreement(
         self, machines: list[dict[str, Any]], store: Any, refused_key: str
     ) -> None:
         """Refuse (RendezvousError) where the machines that joined disagree on what they
@@ -494,11 +478,9 @@ class NodeRendezvous:
                 )
         return None
 
-    def _c10d_failure(self, error: Exception, announced: str) -> RendezvousError:
+    def c10d_failure(self, error: Exception, announced: str) -> RendezvousError:
         config = self._config
-        machines = (
-            _lines(self._keys.get(announced)) if self._keys.check([announced]) else [self._me]
-        )
+        machines = lines(self._keys.get(announced)) if self._keys.check([announced]) else [self._me]
         cause = type(error).__name__ + (f": {error}" if str(error) else "")
         timed_out = "Timeout" in type(error).__name__
         kind = RendezvousTimeoutError if timed_out else RendezvousError
@@ -515,7 +497,7 @@ class NodeRendezvous:
         local = self._config.conf.get("local_addr")
         if local:
             return str(local)
-        return self._host if _is_local_address(self._host) else socket.getfqdn()
+        return self._host if is_local_address(self._host) else socket.getfqdn()
 
     @_releasing_stores
     def finish(self) -> None:
@@ -523,11 +505,7 @@ class NodeRendezvous:
         from torch.distributed.elastic.utils.store import barrier
 
         config = self._config
-        if self._handler is not None:
-            # While the store is surely up: the first machine through closes the rendezvous.
-            with contextlib.suppress(Exception):
-                self._handler.shutdown()
-            self._handler = None
+        self._strategy.leave()
         try:
             barrier(
                 self._keys,
@@ -557,21 +535,11 @@ class NodeRendezvous:
             ) from error
 
     def close(self) -> None:
-        if self._handler is not None:
-            with contextlib.suppress(Exception):  # the host may already be gone
-                self._handler.shutdown()
-            self._handler = None
+        self._strategy.leave()
         if self._hosting and self._store is not None:
             with contextlib.suppress(Exception):
                 self._keys.set(_CLOSING_KEY, "1")
         self._store = self._keys = None  # a hosted store stops listening when released
-
-
-Rendezvous = Union[LocalRendezvous, NodeRendezvous]
-
-
-def _lines(data: bytes) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
 
 
 def _describe(machines: list[dict[str, Any]]) -> str:
@@ -637,63 +605,6 @@ def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
             f"rdzv_endpoint={endpoint!r} is not a 'host:port' address ({error}). Give the "
             "address of the machine that hosts the rendezvous, e.g. '10.0.0.1:29400'."
         ) from error
-
-
-def _dynamic_handler(config: RendezvousConfig, store: Any, host: str, join_s: float) -> Any:
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-        DynamicRendezvousHandler,
-        RendezvousTimeout,
-    )
-
-    def seconds(key: str) -> timedelta | None:
-        return timedelta(seconds=float(config.conf[key])) if key in config.conf else None
-
-    backend = C10dRendezvousBackend(store, config.run_id)
-    return DynamicRendezvousHandler.from_backend(
-        run_id=config.run_id,
-        store=store,
-        backend=backend,
-        min_nodes=config.num_nodes,
-        max_nodes=config.num_nodes,
-        local_addr=config.conf.get("local_addr") or (host if _is_local_address(host) else None),
-        timeout=RendezvousTimeout(
-            join=timedelta(seconds=max(1.0, join_s)),
-            last_call=seconds("last_call_timeout"),
-            close=seconds("close_timeout"),
-        ),
-    )
-
-
-@contextlib.contextmanager
-def _no_shared_store_server() -> Iterator[None]:
-    """Keep torch's handler from starting its own store server, which listens on every
-    interface; the worker store is ours, bound to one address."""
-    name = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-    saved = os.environ.get(name)
-    os.environ[name] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = saved
-
-
-def _is_local_address(host: str) -> bool:
-    """Whether ``host`` names this machine (torch's c10d rendezvous asks the same)."""
-    if host in ("localhost", "::1") or host.startswith("127."):
-        return True
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.bind((host, 0))
-        return True
-    return False
-
-
-def _truthy(value: Any) -> bool:
-    return str(value).strip().lower() in ("1", "true", "yes", "y")
 
 
 def _bracket(host: str) -> str:

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import os
 import select
+import signal
+import sys
 import textwrap
+import threading
+import time
+import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -27,6 +32,7 @@ from notebook_launcher.launcher.backends.base import (
     RankControl,
     RankEnds,
     RankTarget,
+    Started,
 )
 
 
@@ -86,7 +92,7 @@ class ToyBackend(Backend):
         ends: Sequence[RankEnds],
         payload: Any,
         target: RankTarget,
-    ) -> list[RankControl]:
+    ) -> Started:
         controls: list[RankControl] = []
         for spec, rank_ends in zip(specs, ends):
             pid = os.fork()
@@ -97,7 +103,7 @@ class ToyBackend(Backend):
                 finally:
                     os._exit(70)
             controls.append(PidfdControl(pid))
-        return controls
+        return Started(controls)
 
 
 @pytest.fixture(scope="module")
@@ -235,3 +241,179 @@ def test_an_installed_package_adds_a_backend_through_its_entry_point(tmp_path, m
         r"that package, or pass another backend\.",
     ):
         notebook_launcher(print, backend="broken")
+
+
+# One backend, launches side by side --------------------------------------------------
+
+
+def _wait_for(path: str, limit_s: float = 120.0) -> None:
+    """In a rank: wait until ``path`` exists (the limit is only a safety net)."""
+    deadline = time.monotonic() + limit_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never came")
+        time.sleep(0.01)
+
+
+def _first_launch(folder: str) -> int:
+    open(os.path.join(folder, f"first-started-{os.environ['RANK']}"), "w").close()
+    _wait_for(os.path.join(folder, f"second-started-{os.environ['RANK']}"))
+    return os.getpid()
+
+
+def _second_launch(folder: str) -> int:
+    open(os.path.join(folder, f"second-started-{os.environ['RANK']}"), "w").close()
+    _wait_for(os.path.join(folder, "first-returned"))
+    return os.getpid()
+
+
+@pytest.fixture(params=["local", "xla"])
+def one_backend(request, monkeypatch):
+    """The backend under test, with what it needs: the xla one on a faked TPU machine."""
+    if request.param == "local":
+        yield {"backend": "local", "hardware": "cpu", "num_processes": 2}
+        return
+    from .tpu_support import faked_tpu
+
+    with faked_tpu(monkeypatch, "tpu-vm-v4-8"):
+        yield {"backend": "xla"}
+
+
+def test_two_launches_on_one_backend_overlap_without_touching_each_other(
+    one_backend, tmp_path, leak_check
+):
+    """The second launch starts while the first runs, and goes on after the first closed:
+    closing the first ends only what the first started (a backend that kept its launch's
+    state on itself closed the second's supervisor with the first, and never its own)."""
+    folder = str(tmp_path)
+    first: dict[str, Any] = {}
+
+    def run_first() -> None:
+        try:
+            first["values"] = notebook_launcher(
+                _first_launch, (folder,), return_all=True, output="none", **one_backend
+            )
+        except BaseException as error:  # reported by the assertion below
+            first["error"] = error
+        finally:
+            open(os.path.join(folder, "first-returned"), "w").close()
+
+    thread = threading.Thread(target=run_first)
+    thread.start()
+    try:
+        _wait_for(os.path.join(folder, "first-started-0"))
+        second = notebook_launcher(
+            _second_launch, (folder,), return_all=True, output="none", **one_backend
+        )
+    finally:
+        open(os.path.join(folder, "first-returned"), "w").close()
+        for rank in range(16):  # lets the first launch end if the second never started
+            open(os.path.join(folder, f"second-started-{rank}"), "w").close()
+        thread.join(timeout=300)
+    assert not thread.is_alive()
+    assert "error" not in first, f"the first launch failed: {first.get('error')!r}"
+    assert len(first["values"]) == len(second) >= 2
+    assert not set(first["values"]) & set(second)  # each launch had ranks of its own
+
+
+# Signals to one rank ---------------------------------------------------------------------
+
+
+def _child_and_wait(folder: str) -> str:
+    """A rank that starts a child in its own process group and waits for SIGUSR1."""
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    got = threading.Event()
+    signal.signal(signal.SIGUSR1, lambda *_: got.set())
+    open(os.path.join(folder, f"ready-{os.environ['RANK']}"), "w").close()
+    got.wait(120)
+    alive = child.poll() is None
+    child.kill()
+    return f"signalled={got.is_set()} child_alive={alive}"
+
+
+def test_signal_rank_reaches_the_rank_alone_not_what_it_started(tmp_path, leak_check):
+    import uuid
+
+    from notebook_launcher.launcher.rank_group import RankGroup
+    from notebook_launcher.launcher.run import rank_specs
+
+    from .test_rank_group import PLAN
+
+    folder = str(tmp_path)
+    launch_id = uuid.uuid4().hex[:12]
+    group = RankGroup(
+        PLAN,
+        backends.lookup("local"),
+        rank_specs(PLAN, launch_id, 1),
+        lambda event: None,
+        launch_id=launch_id,
+    )
+    try:
+        group.start((_child_and_wait, (folder,), {}))
+        group.run(until=lambda: all(os.path.exists(f"{folder}/ready-{r}") for r in (0, 1)))
+        group.signal_rank(1, signal.SIGUSR1)
+        group.run(until=lambda: 1 in group.outcome.results)
+        assert 0 not in group.outcome.results  # rank 0 was not signalled
+        group.signal_rank(0, signal.SIGUSR1)
+        outcome = group.run()
+    finally:
+        group.close()
+    values = {rank: result.value() for rank, result in outcome.results.items()}
+    assert values == {r: "signalled=True child_alive=True" for r in (0, 1)}
+
+
+def test_only_backends_whose_ranks_take_commands_and_one_signal_carry_sessions():
+    assert backends.lookup("local").supports_sessions
+    assert not Backend.supports_sessions  # a backend says so itself
+
+
+# Loading the registry ----------------------------------------------------------------------
+
+
+def test_a_thread_that_asks_while_another_loads_the_registry_sees_every_backend(
+    tmp_path, monkeypatch
+):
+    """The registry counts as loaded once it is: a second thread waits for the first
+    thread's load instead of seeing a registry loaded only in part."""
+    events = types.ModuleType("_registry_load_events")
+    events.inside, events.go_on = threading.Event(), threading.Event()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "_registry_load_events", events)
+    (tmp_path / "slow_backend_module.py").write_text(
+        textwrap.dedent(
+            """
+            import _registry_load_events as events
+            from notebook_launcher.launcher.backends.local import LocalBackend
+
+            events.inside.set()
+            events.go_on.wait(60)
+
+            class SlowToImport(LocalBackend):
+                name = "slowtoimport"
+
+            BACKEND = SlowToImport()
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(
+        backends, "BUILT_IN", (("slowtoimport", "slow_backend_module"), *backends.BUILT_IN)
+    )
+    monkeypatch.setattr(backends, "_backends", {})
+    monkeypatch.setattr(backends, "_unavailable", {})
+    monkeypatch.setattr(backends, "_loaded", False)
+    seen: dict[str, tuple[str, ...]] = {}
+    first = threading.Thread(target=lambda: seen.setdefault("first", backends.names()))
+    first.start()
+    assert events.inside.wait(60)
+    second = threading.Thread(target=lambda: seen.setdefault("second", backends.names()))
+    second.start()
+    second.join(timeout=0.5)  # a second thread that does not wait returns here at once
+    answered_early = "second" in seen
+    events.go_on.set()
+    first.join(timeout=60)
+    second.join(timeout=60)
+    assert not answered_early, f"answered while the registry loaded: {seen['second']}"
+    assert seen["first"] == seen["second"]
+    assert {"slowtoimport", "local", "xla", "ray"} <= set(seen["second"])

@@ -8,8 +8,7 @@ import uuid
 
 import psutil
 
-from notebook_launcher import rank_env
-from notebook_launcher.launcher import descendants
+from notebook_launcher import descendants, rank_env
 
 
 def ended(pid: int) -> bool:

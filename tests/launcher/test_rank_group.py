@@ -19,7 +19,13 @@ import pytest
 from notebook_launcher.defaults import EffectiveDefaults, LaunchDefaults
 from notebook_launcher.errors import LaunchCleanupWarning
 from notebook_launcher.hardware import HardwareReport
-from notebook_launcher.launcher.backends.base import Backend, Ended, RankControl, RankEnds
+from notebook_launcher.launcher.backends.base import (
+    Backend,
+    Ended,
+    RankControl,
+    RankEnds,
+    Started,
+)
 from notebook_launcher.launcher.channel import Hello, Result
 from notebook_launcher.launcher.events import OutputLine, RankFinished, RankStarted
 from notebook_launcher.launcher.plan import LaunchCall, resolve_plan
@@ -272,7 +278,9 @@ def test_a_finished_group_stops_multiplexing_at_once(leak_check):
 
     class Local(LocalBackend):
         def start(self, *args):  # type: ignore[no-untyped-def]
-            return [ReapedBeforeItsSentinelIsSeen(c) for c in super().start(*args)]
+            return Started(
+                [ReapedBeforeItsSentinelIsSeen(c) for c in super().start(*args).controls]
+            )
 
     group = RankGroup(
         PLAN,

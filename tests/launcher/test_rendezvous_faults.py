@@ -492,3 +492,23 @@ def test_at_the_c10d_first_check_the_host_keeps_its_store_until_the_other_machin
         late.close()
         thread.join(60)
     assert "disagree on mixed_precision" in str(refusals["host"])
+
+
+def test_each_rdzv_backend_users_may_pass_is_a_registered_strategy():
+    """The rendezvous has the registry's shape: what options accepts is what is registered,
+    each strategy behind the one interface the rendezvous reads."""
+    from notebook_launcher.launcher import options
+    from notebook_launcher.launcher.rendezvous_strategies import (
+        STRATEGIES,
+        RendezvousConfig,
+        Strategy,
+    )
+
+    assert set(STRATEGIES) == set(options.RDZV_BACKENDS)
+    for name, strategy in STRATEGIES.items():
+        assert issubclass(strategy, Strategy) and strategy.name == name
+    config = RendezvousConfig("static", 2, 1, "", "job", {})
+    assert STRATEGIES["static"](config).should_host("127.0.0.1") is False
+    assert STRATEGIES["c10d"](config).should_host("127.0.0.1") is None  # hosts if nobody does
+    forced = RendezvousConfig("c10d", 2, 1, "", "job", {"is_host": "yes"})
+    assert STRATEGIES["c10d"](forced).should_host("10.255.255.1") is True

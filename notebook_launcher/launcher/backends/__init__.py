@@ -21,6 +21,7 @@ import difflib
 import importlib
 import importlib.metadata
 import keyword
+import threading
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -56,6 +57,10 @@ _AUTO_NOTE = " ('auto' picks by the hardware)"
 _backends: dict[str, Backend] = {}
 _unavailable: dict[str, str] = {}  # name -> why a launch that asks for it is refused
 _loaded = False
+# Held while the registry loads or changes. Reentrant: a backend's module, imported while
+# loading, may itself register() (it then sees the registry as loaded so far).
+_lock = threading.RLock()
+_loading_thread: int | None = None  # the thread that is loading, while it does
 
 
 def register(backend: Backend, *, replace: bool = False) -> Backend:
@@ -64,16 +69,18 @@ def register(backend: Backend, *, replace: bool = False) -> Backend:
     LaunchConfigError where the name is taken (unless ``replace``), or where the name or
     an option name could never be passed to ``notebook_launcher()``.
     """
-    _load()
-    _add(backend, replace=replace)
+    with _lock:
+        _load()
+        _add(backend, replace=replace)
     return backend
 
 
 def unregister(name: str) -> None:
     """Forget the backend called ``name`` (a no-op where none is)."""
-    _load()
-    _backends.pop(name, None)
-    _unavailable.pop(name, None)
+    with _lock:
+        _load()
+        _backends.pop(name, None)
+        _unavailable.pop(name, None)
 
 
 def registered() -> Mapping[str, Backend]:
@@ -145,11 +152,27 @@ def check_supports(backend: Backend, accelerator: str) -> None:
 
 
 def _load() -> None:
-    """Read the built-in backends and the installed packages' entry points, once."""
-    global _loaded
+    """Read the built-in backends and the installed packages' entry points, once.
+
+    A thread that asks while another loads waits for it, and then sees every backend; the
+    registry counts as loaded only once it is. A load that was interrupted (an interrupt
+    while importing) is started over by the next call.
+    """
+    global _loaded, _loading_thread
     if _loaded:
         return
-    _loaded = True
+    with _lock:
+        if _loaded or _loading_thread == threading.get_ident():
+            return  # loaded meanwhile, or this thread's own load reached here again
+        _loading_thread = threading.get_ident()
+        try:
+            _load_all()
+            _loaded = True
+        finally:
+            _loading_thread = None
+
+
+def _load_all() -> None:
     for name, module_name in BUILT_IN:
         try:
             module = importlib.import_module(module_name)

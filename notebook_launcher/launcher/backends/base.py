@@ -16,6 +16,11 @@ hands their rank-side ends (:class:`RankEnds`) to whatever runs the rank:
   the ends it was given (duplicated, since the group closes its copies after ``start``);
 - persistent sessions: :attr:`RankEnds.commands` carries commands to a long-lived rank.
 
+A backend is shared by every launch that names it; what one launch started (a supervisor
+process, actors, a cluster) belongs to the :class:`Started` handle its :meth:`Backend.start`
+returns, which the rank group closes when the ranks ended. Two launches on one backend, one
+beside the other, never touch each other's state.
+
 A backend also owns its keyword arguments (:class:`BackendOption`, such as Ray's
 ``ray_address``): ``notebook_launcher()`` and the command line accept them, and the plan
 carries their checked values in ``plan.backend_options``, without the core naming any.
@@ -24,7 +29,9 @@ carries their checked values in ``plan.backend_options``, without the core namin
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
@@ -33,6 +40,18 @@ from notebook_launcher.launcher.rank import RankEnds, RankSpec
 
 if TYPE_CHECKING:
     from notebook_launcher.launcher.plan_types import LaunchPlan
+
+__all__ = [
+    "Backend",
+    "BackendOption",
+    "Ended",
+    "RankControl",
+    "RankEnds",
+    "RankSpec",
+    "RankTarget",
+    "Started",
+    "start_ranks",
+]
 
 
 def _as_given(value: Any) -> Any:
@@ -88,6 +107,20 @@ class RankControl(abc.ABC):
     def signal(self, signum: int) -> None:
         """Send ``signum`` to the rank and to what it started; a no-op once it is gone."""
 
+    def signal_rank(self, signum: int) -> None:
+        """Send ``signum`` to the rank's own process alone, never to what it started (a
+        session interrupts the command a rank runs, not its data loader workers); a no-op
+        once it is gone or before its pid is known.
+
+        This default signals the pid, which is right where the rank is a process of this
+        machine; a backend whose ranks run elsewhere does what it can there, and says it
+        cannot carry sessions (:attr:`Backend.supports_sessions`) where it can do nothing.
+        """
+        if self.pid is None or self.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(self.pid, signum)
+
     @abc.abstractmethod
     def wait(self, timeout: float) -> Ended | None:
         """Wait at most ``timeout`` seconds for the rank's end."""
@@ -102,9 +135,54 @@ class RankControl(abc.ABC):
         return None
 
 
+class Started:
+    """What one start of ranks holds: a control per rank, in rank order, and whatever
+    else the start made for them (a supervisor process, actors, a cluster), which
+    :meth:`close` frees once the ranks ended. A backend's start returns its own subclass
+    where it holds more than the ranks."""
+
+    def __init__(self, controls: Sequence[RankControl]) -> None:
+        self.controls: list[RankControl] = list(controls)
+
+    def close(self) -> None:
+        """Free what the start holds beyond its ranks; called once, after they ended."""
+        return None
+
+
+class _StartedBefore(Started):
+    """A backend written before :class:`Started` returned its controls as a list and kept
+    the launch's state itself: its ``close()`` frees it."""
+
+    def __init__(self, controls: Sequence[RankControl], backend: Backend) -> None:
+        super().__init__(controls)
+        self._backend = backend
+
+    def close(self) -> None:
+        self._backend.close()
+
+
+def start_ranks(
+    backend: Backend,
+    plan: LaunchPlan,
+    specs: Sequence[RankSpec],
+    ends: Sequence[RankEnds],
+    payload: Any,
+    target: RankTarget,
+) -> Started:
+    """``backend.start(...)``, as a :class:`Started` whatever the backend returned."""
+    started = backend.start(plan, specs, ends, payload, target)
+    if isinstance(started, Started):
+        return started
+    return _StartedBefore(started, backend)
+
+
 class Backend(abc.ABC):
     """One way of starting ranks, known to the launcher once registered
-    (:func:`notebook_launcher.launcher.backends.register`)."""
+    (:func:`notebook_launcher.launcher.backends.register`).
+
+    One instance serves every launch: it holds its settings, never a launch's state
+    (that is the :class:`Started` its :meth:`start` returns).
+    """
 
     name: ClassVar[str]  # what users pass as backend=
     accelerators: ClassVar[tuple[str, ...]]  # the devices its ranks can run on
@@ -113,6 +191,9 @@ class Backend(abc.ABC):
     # The devices for which backend="auto" picks this backend.
     chosen_by_auto_for: ClassVar[tuple[str, ...]] = ()
     options: ClassVar[tuple[BackendOption, ...]] = ()
+    # Whether a Session can run on it: its ranks take commands through
+    # RankEnds.commands and its controls signal one rank alone (RankControl.signal_rank).
+    supports_sessions: ClassVar[bool] = False
 
     def check(self, plan: LaunchPlan) -> None:
         """Refuse (LaunchUnsupportedError) a plan this backend cannot carry out."""
@@ -130,13 +211,16 @@ class Backend(abc.ABC):
         ends: Sequence[RankEnds],
         payload: Any,
         target: RankTarget,
-    ) -> list[RankControl]:
+    ) -> Started | list[RankControl]:
         """Start one rank per spec, running ``target(spec, payload, ends)``.
 
-        Returns their controls in the same order. If it raises, it must first stop what it
-        started; the rank group closes its own copies of ``ends`` after this returns.
+        Returns the launch's handle: their controls in the same order, and what else this
+        start holds, freed by its ``close()``. (A plain list of controls is taken too, from
+        backends written before the handle: their :meth:`close` is then called instead.)
+        If it raises, it must first stop what it started; the rank group closes its own
+        copies of ``ends`` after this returns.
         """
 
     def close(self) -> None:
-        """Free what the backend holds beyond its ranks (a supervisor process, actors)."""
+        """Only for backends whose :meth:`start` returns a list: free what the launch held."""
         return None

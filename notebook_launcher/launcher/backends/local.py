@@ -17,6 +17,7 @@ from notebook_launcher.launcher.backends.base import (
     RankControl,
     RankEnds,
     RankTarget,
+    Started,
 )
 from notebook_launcher.launcher.pickling import dump_payload
 
@@ -83,6 +84,7 @@ class LocalBackend(Backend):
     accelerators = ("cpu", "cuda")
     description = "processes of this machine"
     chosen_by_auto_for = ("cpu", "cuda")
+    supports_sessions = True
 
     def prepare_payload(self, plan: LaunchPlan, payload: tuple[Any, ...]) -> Any:
         if plan.start.method == "fork":
@@ -97,7 +99,7 @@ class LocalBackend(Backend):
         ends: Sequence[RankEnds],
         payload: Any,
         target: RankTarget,
-    ) -> list[RankControl]:
+    ) -> Started:
         context = start_context(plan.start.method)
         controls: list[RankControl] = []
         try:
@@ -116,7 +118,7 @@ class LocalBackend(Backend):
                 control.wait(_ABANDON_WAIT_S)
                 control.release()
             raise
-        return controls
+        return Started(controls)
 
 
 @contextlib.contextmanager

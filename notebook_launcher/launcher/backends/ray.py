@@ -41,6 +41,7 @@ from notebook_launcher.launcher.backends.base import (
     RankControl,
     RankEnds,
     RankTarget,
+    Started,
 )
 from notebook_launcher.launcher.pickling import dump_payload
 
@@ -73,7 +74,8 @@ class RankHost:
         """The node this actor was placed on: its id and address."""
         import ray
 
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+        node_ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # Ray's own
+        return ray.get_runtime_context().get_node_id(), node_ip
 
     def start(self, spec: RankSpec, payload: Any, target: RankTarget) -> int:
         import multiprocessing
@@ -140,6 +142,13 @@ class RankHost:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._process.pid, signum)
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(self._process.pid, signum)
+
+    def signal_rank(self, signum: int) -> None:
+        """The rank's process alone, not what it started."""
+        if self._process is None or self._process.exitcode is not None:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(self._process.pid, signum)
@@ -231,6 +240,14 @@ class ActorControl(RankControl):
             with contextlib.suppress(Exception):
                 self._actor.signal.remote(signum)
 
+    def signal_rank(self, signum: int) -> None:
+        """Through the rank's actor, which signals the rank's process alone (the pid the
+        rank reported may be another machine's)."""
+        if self._done.is_set():
+            return
+        with contextlib.suppress(Exception):
+            self._actor.signal_rank.remote(signum)
+
     def kill(self) -> None:
         self._killed = True
         with contextlib.suppress(Exception):
@@ -320,10 +337,6 @@ class RayBackend(Backend):
     description = "a Ray cluster"
     options = (ADDRESS,)
 
-    def __init__(self) -> None:
-        self._started_cluster = False
-        self._controls: list[ActorControl] = []
-
     def check(self, plan: LaunchPlan) -> None:
         if plan.num_nodes != 1 or plan.rdzv_endpoint:
             raise LaunchUnsupportedError(
@@ -343,64 +356,116 @@ class RayBackend(Backend):
         ends: Sequence[RankEnds],
         payload: Any,
         target: RankTarget,
-    ) -> list[RankControl]:
-        ray = _connect(plan)
-        self._started_cluster = _started_here
-        _check_cluster_can_hold(ray, plan, len(specs))
-        actor_class = ray.remote(RankHost).options(
-            num_cpus=1,
-            num_gpus=1 if plan.accelerator == "cuda" else 0,
-            max_concurrency=4,  # read() waits while signal() must still get through
-            max_restarts=0,
-        )
-        controls: list[ActorControl] = []
+    ) -> Started:
+        with _connecting:
+            ray, shares_cluster = _connect(plan)
         try:
-            for rank_ends in ends:
-                controls.append(ActorControl(ray, actor_class.remote(), rank_ends))
-            self._controls = controls
-            placed = [control._actor.where.remote() for control in controls]
-            # The cluster can hold them all (checked above): what is missing is held by
-            # other work, which may end; the launch's own timeout= bounds the wait too.
-            wait_s = min(_PLACE_TIMEOUT_S, plan.timeout or _PLACE_TIMEOUT_S)
-            _, pending = ray.wait(placed, num_returns=len(placed), timeout=wait_s)
-            if pending:
-                total, free = ray.cluster_resources(), ray.available_resources()
-                raise RayClusterError(
-                    f"Ray could not place {len(pending)} of {len(specs)} ranks within "
-                    f"{wait_s:g}s: each needs {_needs(plan)}; the cluster has "
-                    f"{total.get('CPU', 0):g} CPU(s) in all and {free.get('CPU', 0):g} free now, "
-                    "the rest held by other work or by this launch's ranks placed so far. Wait "
-                    "for that work to end, ask for fewer ranks, or add machines to the cluster."
-                )
-            for control, spec, where in zip(controls, specs, placed):
-                control.node = Node(*_started(ray, where, control, spec.rank))
-            started = [
-                control._actor.start.remote(spec, payload, target)
-                for control, spec in zip(controls, specs)
-            ]
-            for control, spec, pid in zip(controls, specs, started):
-                _started(
-                    ray, pid, control, spec.rank
-                )  # a rank that could not even start raises here
-            for control in controls:
-                control.begin()  # the rank's pid arrives with its Hello (it may be remote)
+            return _RayStarted(
+                _start_actors(ray, plan, specs, ends, payload, target), shares_cluster
+            )
         except BaseException:
-            for control in controls:
-                control.release()
-            self._controls = []
+            if shares_cluster:
+                _local_cluster.leave()
             raise
-        return list(controls)
+
+
+class _RayStarted(Started):
+    """One launch's actors, and its share of the local cluster where one was started."""
+
+    def __init__(self, controls: list[ActorControl], shares_cluster: bool) -> None:
+        super().__init__(controls)
+        self._actors = controls
+        self._shares_cluster = shares_cluster
 
     def close(self) -> None:
-        for control in self._controls:
+        for control in self._actors:
             control.release()
-        self._controls = []
-        if self._started_cluster:
-            _shutdown()
-            self._started_cluster = False
+        if self._shares_cluster:
+            self._shares_cluster = False
+            _local_cluster.leave()
 
 
-_started_here = False
+def _start_actors(
+    ray: Any,
+    plan: LaunchPlan,
+    specs: Sequence[RankSpec],
+    ends: Sequence[RankEnds],
+    payload: Any,
+    target: RankTarget,
+) -> list[ActorControl]:
+    _check_cluster_can_hold(ray, plan, len(specs))
+    actor_class = ray.remote(RankHost).options(
+        num_cpus=1,
+        num_gpus=1 if plan.accelerator == "cuda" else 0,
+        max_concurrency=4,  # read() waits while signal() must still get through
+        max_restarts=0,
+    )
+    controls: list[ActorControl] = []
+    try:
+        for rank_ends in ends:
+            controls.append(ActorControl(ray, actor_class.remote(), rank_ends))
+        placed = [control._actor.where.remote() for control in controls]
+        # The cluster can hold them all (checked above): what is missing is held by
+        # other work, which may end; the launch's own timeout= bounds the wait too.
+        wait_s = min(_PLACE_TIMEOUT_S, plan.timeout or _PLACE_TIMEOUT_S)
+        _, pending = ray.wait(placed, num_returns=len(placed), timeout=wait_s)
+        if pending:
+            total, free = ray.cluster_resources(), ray.available_resources()
+            raise RayClusterError(
+                f"Ray could not place {len(pending)} of {len(specs)} ranks within "
+                f"{wait_s:g}s: each needs {_needs(plan)}; the cluster has "
+                f"{total.get('CPU', 0):g} CPU(s) in all and {free.get('CPU', 0):g} free now, "
+                "the rest held by other work or by this launch's ranks placed so far. Wait "
+                "for that work to end, ask for fewer ranks, or add machines to the cluster."
+            )
+        for control, spec, where in zip(controls, specs, placed):
+            control.node = Node(*_started(ray, where, control, spec.rank))
+        started = [
+            control._actor.start.remote(spec, payload, target)
+            for control, spec in zip(controls, specs)
+        ]
+        for control, spec, pid in zip(controls, specs, started):
+            _started(ray, pid, control, spec.rank)  # a rank that could not even start raises here
+        for control in controls:
+            control.begin()  # the rank's pid arrives with its Hello (it may be remote)
+    except BaseException:
+        for control in controls:
+            control.release()
+        raise
+    return controls
+
+
+class _LocalCluster:
+    """The local cluster a launch started, shared by the launches that overlap it: shut
+    down when the last of them closes. Ray holds one connection per process (``ray.init``),
+    so this is one per process too."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+
+    def started(self) -> None:
+        with self._lock:
+            self._users = 1
+
+    def join(self) -> bool:
+        """Whether the cluster this process is connected to is ours: then one more uses it."""
+        with self._lock:
+            if self._users:
+                self._users += 1
+            return bool(self._users)
+
+    def leave(self) -> None:
+        with self._lock:  # held through the shutdown: no launch joins a cluster going away
+            if not self._users:
+                return
+            self._users -= 1
+            if not self._users:
+                _shutdown()
+
+
+_local_cluster = _LocalCluster()
+_connecting = threading.Lock()  # one ray.init at a time, for launches started at once
 
 
 def _started(ray: Any, ref: Any, control: ActorControl, rank: int) -> Any:
@@ -434,9 +499,9 @@ def _check_cluster_can_hold(ray: Any, plan: LaunchPlan, ranks: int) -> None:
     )
 
 
-def _connect(plan: LaunchPlan) -> Any:
-    """Ray, initialised: to ``ray_address`` / RAY_ADDRESS, else a local cluster we start."""
-    global _started_here
+def _connect(plan: LaunchPlan) -> tuple[Any, bool]:
+    """Ray, initialised: to ``ray_address`` / RAY_ADDRESS, else a local cluster we start;
+    and whether the launch shares the local cluster a launch started (then it leaves it)."""
     try:
         with _start_wait():
             import ray
@@ -446,7 +511,7 @@ def _connect(plan: LaunchPlan) -> Any:
             "pip install 'notebook-launcher[ray]'."
         ) from error
     if ray.is_initialized():
-        return ray
+        return ray, _local_cluster.join()
     address = plan.backend_options.get(ADDRESS.name) or os.environ.get("RAY_ADDRESS")
     # Ray otherwise forwards every worker's output to this kernel, unprefixed; ranks'
     # output reaches the cell through the launcher instead.
@@ -458,7 +523,7 @@ def _connect(plan: LaunchPlan) -> Any:
     try:
         if address:
             ray.init(address=address, **options)
-            _started_here = False
+            return ray, False
         else:
             from notebook_launcher.hardware import available_cpu_count
 
@@ -474,7 +539,8 @@ def _connect(plan: LaunchPlan) -> Any:
             node_ip = "127.0.0.1" if _is_loopback(plan.master_addr) else None
             with _start_wait():
                 _start_local(ray, max(cores, plan.num_processes), node_ip, options)
-            _started_here = True
+            _local_cluster.started()
+            return ray, True
     except Exception as error:
         # A start that failed half way leaves Ray's own processes (gcs_server, raylet)
         # behind unless it is shut down.
@@ -497,7 +563,6 @@ def _connect(plan: LaunchPlan) -> Any:
             "(raylet.out: 'Timed out waiting for file'). Run the launch again once the machine "
             "is less busy, or start a cluster yourself (ray start --head) and pass ray_address=."
         ) from error
-    return ray
 
 
 # Ray's own words when its node did not register within its fixed 30 s (not configurable).
@@ -535,11 +600,9 @@ def _start_wait() -> Iterator[None]:
 
 
 def _shutdown() -> None:
-    global _started_here
     import ray
 
     ray_local.shutdown(ray)
-    _started_here = False
 
 
 def _is_loopback(address: str) -> bool:

@@ -44,6 +44,7 @@ from notebook_launcher.launcher.backends.base import (
     RankControl,
     RankEnds,
     RankTarget,
+    Started,
 )
 from notebook_launcher.launcher.channel import Failure
 
@@ -82,9 +83,8 @@ class XlaBackend(Backend):
     accelerators = ("tpu",)
     description = "TPU cores (torch_xla)"
     chosen_by_auto_for = ("tpu",)
-
-    def __init__(self) -> None:
-        self._supervisor: _Supervisor | None = None
+    # Its ranks are processes of this machine, each known by the pid it reports.
+    supports_sessions = True
 
     def check(self, plan: LaunchPlan) -> None:
         if importlib.util.find_spec("torch_xla") is None:
@@ -131,19 +131,25 @@ class XlaBackend(Backend):
         ends: Sequence[RankEnds],
         payload: Any,
         target: RankTarget,
-    ) -> list[RankControl]:
+    ) -> Started:
         # All of this host's processes: torch_xla's own default (nprocs=None), a pool with
         # one process per chip, even when that is one. Fewer (only 1 is possible): torch_xla
         # runs the function in the supervisor itself (nprocs=1).
         tpu = hardware.detect().tpu
         nprocs = None if len(specs) == (tpu.processes if tpu is not None else 1) else 1
-        self._supervisor = _Supervisor.start(nprocs, specs, ends, payload, target)
-        return [XlaRankControl(self._supervisor) for _ in specs]
+        supervisor = _Supervisor.start(nprocs, specs, ends, payload, target)
+        return _XlaStarted([XlaRankControl(supervisor) for _ in specs], supervisor)
+
+
+class _XlaStarted(Started):
+    """One launch's ranks and the supervisor process that forked them."""
+
+    def __init__(self, controls: list[RankControl], supervisor: _Supervisor) -> None:
+        super().__init__(controls)
+        self.supervisor = supervisor
 
     def close(self) -> None:
-        if self._supervisor is not None:
-            self._supervisor.close()
-            self._supervisor = None
+        self.supervisor.close()
 
 
 def _slice_hosts() -> tuple[int, str]:
@@ -216,6 +222,8 @@ class _Supervisor:
                 os.kill(self.pid, signum)
 
     def close(self, grace_s: float = 3.0) -> None:
+        if self._status.closed:  # closed already
+            return
         if self.process.exitcode is None:
             self.signal(signal.SIGTERM)
             self.process.join(grace_s)
