@@ -36,7 +36,7 @@ from notebook_launcher.launcher.backends.base import (
     RankEnds,
     RankTarget,
 )
-from notebook_launcher.launcher.channel import Failure, Hello, Memory, Progress, Result
+from notebook_launcher.launcher.channel import Failure, Hello, Memory, Progress, Result, Steps
 from notebook_launcher.launcher.events import (
     LaunchEvent,
     OutputLine,
@@ -45,6 +45,7 @@ from notebook_launcher.launcher.events import (
     RankMetrics,
     RankProgress,
     RankStarted,
+    RankSteps,
 )
 from notebook_launcher.launcher.lines import LineSplitter
 from notebook_launcher.launcher.metric_batch import MetricBatch
@@ -386,8 +387,11 @@ class RankGroup:
                     message.peak_bytes,
                     message.current_bytes,
                     message.device,
+                    message.rss_bytes,
                 )
             )
+        elif isinstance(message, Steps):
+            self._emit(RankSteps(rank.rank, message.summary))
         elif self._on_message is not None:
             self._on_message(rank, message)
 
