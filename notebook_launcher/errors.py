@@ -44,6 +44,10 @@ class RankInputError(LaunchError, EOFError):
     """Raised inside a rank by ``input()``: ranks have no terminal or notebook to read from."""
 
 
+class MixedPrecisionWarning(UserWarning):
+    """A precision that runs, but may overflow (a bf16 model trained in fp16)."""
+
+
 class LaunchCleanupWarning(UserWarning):
     """A rank (or something it started) could not be ended when the launch closed."""
 

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from notebook_launcher import tracking
-from notebook_launcher.accelerator import operations, precision, step_timing
+from notebook_launcher.accelerator import model_guards, operations, precision, step_timing
 from notebook_launcher.accelerator.accelerator_state import AcceleratorState
 from notebook_launcher.accelerator.checkpointing import Checkpointing, ProjectConfiguration
 from notebook_launcher.accelerator.coordination import Coordination
@@ -288,6 +288,9 @@ class Accelerator(Coordination, Checkpointing, Lifecycle, Saving):
     ) -> torch.nn.Module:
         if isinstance(model, DistributedDataParallel) or is_fully_sharded(model):
             return model  # prepared already
+        model_guards.check_one_device(model, self.num_processes)
+        model_guards.check_trainable_dtype(model, self.mixed_precision)
+        model_guards.warn_bf16_checkpoint(model, self.mixed_precision)
         place = self.device_placement if device_placement is None else device_placement
         if place and self.state.device_kind == "tpu":
             from notebook_launcher.accelerator import xla
