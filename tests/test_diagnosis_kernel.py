@@ -111,7 +111,9 @@ def test_ddp_with_small_gradients_and_a_big_batch_is_not_communication_bound(ker
     assert sentence and not sentence.startswith("Communication-bound"), sentence
     # On a busy machine one rank may be slowed by others' work: it is then a straggler.
     assert sentence.startswith(("Compute-bound: ", "A straggler: ")), sentence
-    assert all(s["collectives_s"] / s["median_s"] < 0.3 for s in found["steps"])
+    # A rank slowed by others' work makes the other wait for it in the all-reduce; the
+    # slowest rank itself hardly waits.
+    assert min(s["collectives_s"] / s["median_s"] for s in found["steps"]) < 0.3
 
 
 def test_a_launch_without_the_accelerator_has_no_steps_and_no_diagnosis(kernel):
