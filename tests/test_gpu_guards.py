@@ -127,3 +127,17 @@ def test_shm_is_measured():
     size = gpu_guards.shm_size()
     assert size is None or size > 0
     assert gpu_guards.shm_size("/no/such/dir") is None
+
+
+def test_the_configure_panel_greys_out_a_gpu_torch_has_no_kernels_for(fake_gpus, monkeypatch):
+    from notebook_launcher import hardware
+    from notebook_launcher.widgets.panel import hardware_html
+
+    fake_gpus(("Tesla P100-PCIE-16GB", 16384, "6.0"), ("Tesla T4", 15360, "7.5"))
+    monkeypatch.setattr(gpu_guards, "torch_arch_list", lambda: list(CU128))
+    shown = hardware_html(hardware.detect())
+    assert (
+        '<span class="nl-gpu-unusable" style="opacity: 0.45;"><b>GPU 0</b>: Tesla P100-PCIE-16GB, '
+        "16 GiB, compute capability 6.0: the installed torch has no kernels for it</span>"
+    ) in shown
+    assert "<b>GPU 1</b>: Tesla T4, 15 GiB, compute capability 7.5<" in shown
