@@ -1,4 +1,5 @@
-"""Check fine-tuning on a CUDA machine with one or two GPUs: QLoRA and bf16 LoRA.
+"""Check fine-tuning on a CUDA machine with one or two GPUs: QLoRA and bf16 LoRA (fp16 on
+GPUs without bf16, such as Kaggle's T4).
 
     PYTHONPATH=. python benchmarks/gpu_check_finetune.py [--steps 30]
 
@@ -58,6 +59,15 @@ def check(name: str, function: Callable[[], str]) -> None:
         traceback.print_exc()
 
 
+def precision() -> str:
+    """bf16 where the GPU has it (Ampere and later), else fp16 (T4, V100): set by main()."""
+    return os.environ.get("GPU_CHECK_PRECISION", "bf16")
+
+
+def dtype() -> torch.dtype:
+    return torch.bfloat16 if precision() == "bf16" else torch.float16
+
+
 def build(quantized: bool) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -65,9 +75,9 @@ def build(quantized: bool) -> Any:
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,
         num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=LENGTH,
-        torch_dtype="bfloat16",
+        torch_dtype="bfloat16" if precision() == "bf16" else "float16",
     )  # fmt: skip
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config).to(dtype())
     if quantized:
         model = _quantize(model)
     from peft import LoraConfig, get_peft_model
@@ -90,7 +100,7 @@ def _quantize(model: torch.nn.Module) -> torch.nn.Module:
             if isinstance(child, torch.nn.Linear) and "layers." in f"{name}.{child_name}":
                 quantized = bnb.nn.Linear4bit(
                     child.in_features, child.out_features, bias=child.bias is not None,
-                    compute_dtype=torch.bfloat16, quant_type="nf4",
+                    compute_dtype=dtype(), quant_type="nf4",
                 )  # fmt: skip
                 quantized.weight = bnb.nn.Params4bit(
                     child.weight.data.cpu(), requires_grad=False, quant_type="nf4"
@@ -104,11 +114,11 @@ def train(core: str, quantized: bool, steps: int) -> dict[str, Any]:
     if core == "accelerate":
         from accelerate import Accelerator
 
-        accelerator: Any = Accelerator(mixed_precision="bf16")
+        accelerator: Any = Accelerator(mixed_precision=precision())
     else:
         from notebook_launcher import Accelerator as Ours
 
-        accelerator = Ours(mixed_precision="bf16")
+        accelerator = Ours(mixed_precision=precision())
     model = build(quantized)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
@@ -153,7 +163,7 @@ def _launch(core: str, quantized: bool, gpus: int, steps: int) -> list[dict[str,
         train,
         args=(core, quantized, steps),
         num_processes=gpus,
-        mixed_precision="bf16",
+        mixed_precision=precision(),
         return_all=True,
         output="none",
     )
@@ -234,6 +244,11 @@ def main() -> int:
         print("SKIP all: no CUDA GPU")
         return 0
     gpus = min(2, torch.cuda.device_count())
+    # T4 and V100 have no bf16: QLoRA and LoRA run in fp16 there (adapters in float32, as
+    # peft keeps them and as prepare() requires under fp16).
+    major = torch.cuda.get_device_capability(0)[0]
+    os.environ["GPU_CHECK_PRECISION"] = "bf16" if major >= 8 else "fp16"
+    print(f"precision: {precision()} (compute capability {major}.x)")
     check("QLoRA on one GPU", lambda: qlora(1, args.steps))
     if gpus > 1:
         check("QLoRA on two GPUs", lambda: qlora(2, args.steps))

@@ -44,6 +44,10 @@ class RankInputError(LaunchError, EOFError):
     """Raised inside a rank by ``input()``: ranks have no terminal or notebook to read from."""
 
 
+class MixedPrecisionWarning(UserWarning):
+    """A precision that runs, but may overflow (a bf16 model trained in fp16)."""
+
+
 class LaunchCleanupWarning(UserWarning):
     """A rank (or something it started) could not be ended when the launch closed."""
 
@@ -63,6 +67,9 @@ class RankFailure:
     lost: str = (
         ""  # the rank went with what ran it (a Ray node that left its cluster): how, in words
     )
+    # Killed by the kernel's OOM killer: "out of memory: ..." with the limit it hit and its
+    # last resident memory; empty where the machine did not say so.
+    out_of_memory: str = ""
 
     @property
     def signal_name(self) -> str | None:
@@ -84,6 +91,8 @@ class RankFailure:
                 else self.exception_type
             )
             return f"{who} raised {text}"
+        if self.out_of_memory:
+            return f"{who} was killed by {self.signal_name or 'the kernel'}: {self.out_of_memory}"
         if self.signal_name:
             description = _SIGNAL_DESCRIPTIONS.get(self.signal_name, "")
             return f"{who} was killed by {self.signal_name}{description}"

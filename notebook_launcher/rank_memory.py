@@ -26,6 +26,9 @@ class MemoryReading:
     peak_bytes: int
     current_bytes: int
     device: str  # "cpu", or "cuda:0" ...
+    # The process's resident memory now, whatever ``kind`` is: a GPU rank holds host RAM too
+    # (its model loaded before it moved, its data), which is what the machine runs out of.
+    rss_bytes: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -49,7 +52,8 @@ def _rss_reading() -> MemoryReading:
     if peak is None:  # not Linux: the kernel's own peak (bytes on macOS, KiB elsewhere)
         maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         peak = maxrss if sys.platform == "darwin" else maxrss * 1024
-    return MemoryReading("rss", peak, current if current is not None else peak, "cpu")
+    current = current if current is not None else peak
+    return MemoryReading("rss", peak, current, "cpu", current)
 
 
 def _cuda_in_use() -> Any:
@@ -73,6 +77,7 @@ def read() -> MemoryReading:
             int(torch.cuda.max_memory_allocated(index)),
             int(torch.cuda.memory_allocated(index)),
             f"cuda:{index}",
+            _status_bytes("VmRSS"),
         )
     return _rss_reading()
 
@@ -93,6 +98,50 @@ def reset_peak() -> None:
     torch = _cuda_in_use()
     if torch is not None:
         torch.cuda.reset_peak_memory_stats(torch.cuda.current_device())
+
+
+# Past this share of the machine's RAM in use, the dashboard warns: the next rank to load a
+# model may be killed by the kernel's OOM killer.
+MACHINE_RAM_WARNING = 0.85
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineMemory:
+    """The machine's RAM: in use (total less what the kernel says is available), and total."""
+
+    used_bytes: int
+    total_bytes: int
+
+    @property
+    def share(self) -> float:
+        return self.used_bytes / self.total_bytes if self.total_bytes else 0.0
+
+    @property
+    def warning(self) -> bool:
+        return self.share >= MACHINE_RAM_WARNING
+
+    def text(self) -> str:
+        """``RAM 18 of 24 GB (76%)``."""
+        return (
+            f"RAM {format_bytes(self.used_bytes)} of {format_bytes(self.total_bytes)} "
+            f"({self.share:.0%})"
+        )
+
+
+def machine_memory(meminfo: str = "/proc/meminfo") -> MachineMemory | None:
+    """The machine's RAM in use, from /proc/meminfo; None where it cannot be read."""
+    fields: dict[str, int] = {}
+    try:
+        with open(meminfo, encoding="ascii") as info:
+            for line in info:
+                name, _, rest = line.partition(":")
+                if name in ("MemTotal", "MemAvailable"):
+                    fields[name] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    if "MemTotal" not in fields or "MemAvailable" not in fields:
+        return None
+    return MachineMemory(fields["MemTotal"] - fields["MemAvailable"], fields["MemTotal"])
 
 
 def format_bytes(count: int | float | None) -> str:

@@ -63,3 +63,32 @@ def has_progress_sink() -> bool:
 def emit_progress(rank: int, n: int, total: int | None, description: str) -> None:
     for sink in list(_progress_sinks):
         sink(rank, n, total, description)
+
+
+# The training core's step anatomy (``accelerator.step_timing``), by the same route: (rank,
+# {"count", "median_s", "compute_s", "collectives_s", "data_s"}). A rank asks for the last
+# summaries with ``finish_steps`` before it reports how it ended.
+StepsSink = Callable[[int, "dict[str, Any]"], None]
+
+_steps_sinks: list[StepsSink] = []
+_steps_finals: list[Callable[[], None]] = []
+
+
+def add_steps_sink(sink: StepsSink) -> None:
+    if sink not in _steps_sinks:
+        _steps_sinks.append(sink)
+
+
+def emit_steps(rank: int, summary: dict[str, Any]) -> None:
+    for sink in list(_steps_sinks):
+        sink(rank, summary)
+
+
+def add_steps_final(final: Callable[[], None]) -> None:
+    if final not in _steps_finals:
+        _steps_finals.append(final)
+
+
+def finish_steps() -> None:
+    for final in list(_steps_finals):
+        final()

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from notebook_launcher import tracking
-from notebook_launcher.accelerator import operations, precision
+from notebook_launcher.accelerator import model_guards, operations, precision, step_timing
 from notebook_launcher.accelerator.accelerator_state import AcceleratorState
 from notebook_launcher.accelerator.checkpointing import Checkpointing, ProjectConfiguration
 from notebook_launcher.accelerator.coordination import Coordination
@@ -181,6 +181,7 @@ class Accelerator(Coordination, Checkpointing, Lifecycle, Saving):
         # OrderedDict: torch's RemovableHandle holds them by weak reference.
         self._save_state_pre_hooks: dict[int, Any] = collections.OrderedDict()
         self._load_state_pre_hooks: dict[int, Any] = collections.OrderedDict()
+        self._step_clock = step_timing.start(rank_state.rank, rank_state.world_size)
 
     # ---- who and where -------------------------------------------------------------
     @property
@@ -287,6 +288,9 @@ class Accelerator(Coordination, Checkpointing, Lifecycle, Saving):
     ) -> torch.nn.Module:
         if isinstance(model, DistributedDataParallel) or is_fully_sharded(model):
             return model  # prepared already
+        model_guards.check_one_device(model, self.num_processes)
+        model_guards.check_trainable_dtype(model, self.mixed_precision)
+        model_guards.warn_bf16_checkpoint(model, self.mixed_precision)
         place = self.device_placement if device_placement is None else device_placement
         if place and self.state.device_kind == "tpu":
             from notebook_launcher.accelerator import xla
@@ -305,9 +309,11 @@ class Accelerator(Coordination, Checkpointing, Lifecycle, Saving):
             return model  # XLA reduces gradients in the optimizer step instead
         if self.fsdp_plugin is not None:
             self._parameter_swaps.update(shard_model(model, self.fsdp_plugin))
+            self._step_clock.collectives_unknown = True  # FSDP2's collectives are not timed
             return model
         device_ids = [self.state.local_rank] if self.state.device_kind == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids, **self._ddp_kwargs)
+        step_timing.time_ddp(ddp, self._step_clock)
         self._models[-1] = ddp
         return ddp
 
@@ -322,6 +328,7 @@ class Accelerator(Coordination, Checkpointing, Lifecycle, Saving):
             gradient_state=self.gradient_state,
             scaler=self.scaler,
             device_kind=self.state.device_kind,
+            on_step=self._step_clock.step_ended,
         )
         self._optimizers.append(wrapped)
         return wrapped
@@ -489,7 +496,8 @@ class Accelerator(Coordination, Checkpointing, Lifecycle, Saving):
 
     # ---- collectives -----------------------------------------------------------------
     def gather(self, tensor: Any) -> Any:
-        return operations.gather(tensor)
+        with step_timing.collective():
+            return operations.gather(tensor)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gather predictions of a prepared loader's batch; on its last batch, drop the repeats.
@@ -502,14 +510,15 @@ class Accelerator(Coordination, Checkpointing, Lifecycle, Saving):
         structured = isinstance(input_data, Mapping) or (
             isinstance(input_data, (list, tuple)) and not operations._is_samples_list(input_data)
         )
-        if tensors_only and not use_gather_object:
-            data: Any = operations.gather(input_data)
-        elif structured:
-            data = operations.concatenate(operations.gather_object([input_data]))
-        else:
-            # One value per rank (a number, a string) is gathered as one entry per rank.
-            items = input_data if isinstance(input_data, (list, tuple)) else [input_data]
-            data = operations.gather_object(items)
+        with step_timing.collective():
+            if tensors_only and not use_gather_object:
+                data: Any = operations.gather(input_data)
+            elif structured:
+                data = operations.concatenate(operations.gather_object([input_data]))
+            else:
+                # One value per rank (a number, a string) is gathered as one entry per rank.
+                items = input_data if isinstance(input_data, (list, tuple)) else [input_data]
+                data = operations.gather_object(items)
         loader = self.gradient_state.active_loader
         if loader is None or not loader.end_of_dataloader:
             return data
@@ -521,7 +530,8 @@ class Accelerator(Coordination, Checkpointing, Lifecycle, Saving):
         return operations.slice_samples(data, 0, real)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        return operations.reduce(tensor, reduction=reduction, scale=scale)
+        with step_timing.collective():
+            return operations.reduce(tensor, reduction=reduction, scale=scale)
 
     def pad_across_processes(
         self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False

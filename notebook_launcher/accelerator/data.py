@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from notebook_launcher.accelerator import xla
+from notebook_launcher.accelerator import step_timing, xla
 from notebook_launcher.accelerator.data_sharding import (
     IterableDatasetShard,
     SeedableRandomSampler,
@@ -180,7 +181,9 @@ class DataLoaderShard(DataLoader):
             if rng is not None:
                 torch.set_rng_state(rng)
             while current is not _DONE:
+                asked = time.perf_counter()
                 following = next(batches, _DONE)
+                step_timing.add_data_wait(time.perf_counter() - asked)
                 if following is _DONE:
                     self._end_of_dataloader = True
                 self.batches_yielded += 1

@@ -23,6 +23,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         gradient_state: GradientState,
         scaler: torch.amp.GradScaler | None = None,
         device_kind: str = "cpu",
+        on_step: Callable[[], None] | None = None,
     ) -> None:
         # Optimizer.__init__ is deliberately not called: the wrapped one owns the groups.
         self.optimizer = optimizer
@@ -31,6 +32,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.device_kind = device_kind
         self.gradients_unscaled = False
         self._scale_before_step: torch.Tensor | None = None
+        self._on_step = on_step  # the step clock: a step that applied gradients ends here
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -68,6 +70,13 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         if not self.gradient_state.sync_gradients:
             return None
+        try:
+            return self._step(closure)
+        finally:
+            if self._on_step is not None:
+                self._on_step()
+
+    def _step(self, closure: Callable[[], float] | None) -> Any:
         self.gradients_unscaled = False
         if self.scaler is not None:
             scale = getattr(self.scaler, "_scale", None)

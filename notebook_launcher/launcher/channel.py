@@ -73,9 +73,17 @@ class Memory:
     peak_bytes: int
     current_bytes: int
     device: str
+    rss_bytes: int | None = None  # resident memory now, also on a GPU rank
 
 
-RankMessage = Union[Hello, Result, Failure, Progress, MetricBatch, Memory]
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """The rank's step anatomy so far (medians per step; see ``accelerator.step_timing``)."""
+
+    summary: dict[str, Any]  # count, median_s, compute_s, collectives_s (None: not timed), data_s
+
+
+RankMessage = Union[Hello, Result, Failure, Progress, MetricBatch, Memory, Steps]
 
 
 class Outbox:

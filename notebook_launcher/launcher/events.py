@@ -8,7 +8,7 @@ cell's own thread, so whatever an observer prints lands in the calling cell.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Union
+from typing import Any, Protocol, Union
 
 from notebook_launcher.errors import RankFailure
 from notebook_launcher.launcher.metric_batch import MetricBatch
@@ -70,6 +70,18 @@ class RankMemory:
     peak_bytes: int
     current_bytes: int
     device: str
+    rss_bytes: int | None = None  # the process's resident memory now, also on a GPU rank
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSteps:
+    """Where a rank's training steps go, from the Accelerator: ``summary`` holds ``count``
+    and, as medians per step in seconds, ``median_s``, ``compute_s``, ``collectives_s``
+    (None where the gradient reduction could not be timed) and ``data_s``. Sent about once
+    a second while steps are taken, and once at the end."""
+
+    rank: int
+    summary: dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +129,7 @@ LaunchEvent = Union[
     RankProgress,
     RankMetrics,
     RankMemory,
+    RankSteps,
     RankFinished,
     GroupRestarting,
     RendezvousWaiting,

@@ -8,10 +8,14 @@ steps, so that a call with a wrong argument fails before any dashboard is built.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from collections.abc import Sequence
 from typing import Any, Callable
 
+from notebook_launcher import gpu_guards
 from notebook_launcher.defaults import effective_defaults
+from notebook_launcher.hardware import HardwareReport
 from notebook_launcher.hardware import detect as detect_hardware
 from notebook_launcher.launcher import options
 from notebook_launcher.launcher.events import LaunchObserver
@@ -52,5 +56,25 @@ def prepare(
     options.check_function(function)
     call_args, call_kwargs = options.check_args(args, kwargs)
     # Read at call time: a default saved in the sidebar or chosen in configure() applies at once.
-    plan = resolve_plan(call, effective_defaults(), detect_hardware(), kernel)
+    report = detect_hardware()
+    plan = resolve_plan(call, effective_defaults(), report, kernel)
+    if plan.accelerator == "cuda":
+        plan = _guard_gpus(plan, report)
     return PreparedLaunch(plan, function, call_args, call_kwargs)
+
+
+def _guard_gpus(plan: LaunchPlan, report: HardwareReport) -> LaunchPlan:
+    """Refuse GPUs the installed torch cannot run on; set what NCCL needs on this machine."""
+    gpus = report.gpus[: plan.num_processes]
+    gpu_guards.check_architectures(gpus, gpu_guards.torch_arch_list(), report.torch_version)
+    if plan.num_processes < 2:
+        return plan
+    settings = gpu_guards.nccl_settings(
+        plan.num_processes,
+        os.environ,
+        gpu_guards.probe_peer_access(os.environ.get("CUDA_VISIBLE_DEVICES")),
+        gpu_guards.shm_size(),
+    )
+    for line in settings.lines:
+        print(line, file=sys.stderr, flush=True)
+    return dataclasses.replace(plan, rank_environ={**plan.rank_environ, **settings.environ})

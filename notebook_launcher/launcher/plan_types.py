@@ -71,6 +71,8 @@ class LaunchPlan:
     max_restarts: int = 0
     # Every option the backend declares, checked by it (None: not given), such as ray_address.
     backend_options: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _NOTHING)
+    # Set in every rank on top of the contract: what the GPU checks found NCCL needs.
+    rank_environ: Mapping[str, str] = dataclasses.field(default_factory=lambda: _NOTHING)
 
     @property
     def world_size(self) -> int:

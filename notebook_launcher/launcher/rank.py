@@ -36,10 +36,17 @@ from notebook_launcher.launcher.channel import (
     Progress,
     RankMessage,
     Result,
+    Steps,
 )
 from notebook_launcher.launcher.metric_batch import numbers_of, step_of
 from notebook_launcher.launcher.store import SECRET_ENV, protect_env_rendezvous
-from notebook_launcher.tracking import add_metric_flush, add_metric_sink, add_progress_sink
+from notebook_launcher.tracking import (
+    add_metric_flush,
+    add_metric_sink,
+    add_progress_sink,
+    add_steps_sink,
+    finish_steps,
+)
 
 _outbox: Outbox | None = None  # this rank's end of the channel
 _forked = False  # started by fork: the kernel's __main__ is this process's __main__
@@ -103,6 +110,7 @@ def run_rank(
     add_metric_sink(_forward_metric)
     add_metric_flush(_flush_metrics)
     add_progress_sink(_forward_progress)
+    add_steps_sink(_forward_steps)
     _detach_from_kernel()
     _redirect_output(ends.stdout, ends.stderr)
     _apply_kernel_state(spec)
@@ -179,14 +187,20 @@ class _MemoryReporter:
                     self._sent_peak = reading.peak_bytes
                     send(
                         Memory(
-                            reading.kind, reading.peak_bytes, reading.current_bytes, reading.device
+                            reading.kind,
+                            reading.peak_bytes,
+                            reading.current_bytes,
+                            reading.device,
+                            reading.rss_bytes,
                         )
                     )
             except Exception:  # the kernel's end gone, or /proc unreadable: nothing to tell
                 return
 
     def stop(self) -> None:
-        """The last reading, sent before the result or the failure."""
+        """The last reading, sent before the result or the failure (with the last steps)."""
+        with contextlib.suppress(Exception):  # a summary is never worth failing a rank for
+            finish_steps()
         self._stopping.set()
         self._report(final=True)
 
@@ -235,6 +249,10 @@ def _forward_metric(rank: int, step: Any, values: dict[str, Any]) -> None:
     numbers = numbers_of(values)
     if numbers and _outbox is not None:
         _outbox.log(step_of(step), numbers)
+
+
+def _forward_steps(rank: int, summary: dict[str, Any]) -> None:
+    send(Steps(summary))
 
 
 def _flush_metrics() -> None:

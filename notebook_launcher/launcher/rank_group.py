@@ -29,6 +29,7 @@ import cloudpickle
 
 from notebook_launcher import descendants
 from notebook_launcher.errors import LaunchCleanupWarning, LaunchError, RankFailure
+from notebook_launcher.launcher import memory_deaths
 from notebook_launcher.launcher.backends.base import (
     Backend,
     Ended,
@@ -38,7 +39,7 @@ from notebook_launcher.launcher.backends.base import (
     Started,
     start_ranks,
 )
-from notebook_launcher.launcher.channel import Failure, Hello, Memory, Progress, Result
+from notebook_launcher.launcher.channel import Failure, Hello, Memory, Progress, Result, Steps
 from notebook_launcher.launcher.events import (
     LaunchEvent,
     OutputLine,
@@ -47,6 +48,7 @@ from notebook_launcher.launcher.events import (
     RankMetrics,
     RankProgress,
     RankStarted,
+    RankSteps,
 )
 from notebook_launcher.launcher.lines import LineSplitter
 from notebook_launcher.launcher.metric_batch import MetricBatch
@@ -86,6 +88,11 @@ class Rank:
         self.finished_sent = False
         self.stop_sent = False
         self.commands: Connection | None = None
+        # For naming a death by the OOM killer: the rank's memory cgroups with their kill
+        # counters when it said hello, and its resident memory last reported.
+        self.memory_watch: list[memory_deaths.CgroupWatch] = []
+        self.hello_at = time.monotonic()
+        self.last_rss: int | None = None
         made: list[Connection] = []  # closed again if making the next one fails
         readers: list[int] = []  # read with os.read, closed by close_stream
         try:
@@ -382,6 +389,8 @@ class RankGroup:
         if isinstance(message, Hello):
             if rank.control is not None:
                 rank.control.pid_reported(message.pid)
+            rank.hello_at = time.monotonic()
+            rank.memory_watch = memory_deaths.watch(message.pid)
         elif isinstance(message, (Result, Failure)):
             rank.messages.append(message)
         elif isinstance(message, Progress):
@@ -389,6 +398,7 @@ class RankGroup:
         elif isinstance(message, MetricBatch):
             self._emit(RankMetrics(rank.rank, message))
         elif isinstance(message, Memory):
+            rank.last_rss = message.rss_bytes
             self._emit(
                 RankMemory(
                     rank.rank,
@@ -396,8 +406,11 @@ class RankGroup:
                     message.peak_bytes,
                     message.current_bytes,
                     message.device,
+                    message.rss_bytes,
                 )
             )
+        elif isinstance(message, Steps):
+            self._emit(RankSteps(rank.rank, message.summary))
         elif self._on_message is not None:
             self._on_message(rank, message)
 
@@ -456,6 +469,11 @@ class RankGroup:
             return None  # ended because the group stopped it
         # A rank lost with its machine is a failure even while the group was stopping it:
         # the stop did not end it, and its loss often explains why its peers failed.
+        out_of_memory = None
+        if exitcode == -signal.SIGKILL and not lost:
+            out_of_memory = memory_deaths.oom_reason(
+                rank.memory_watch, rank.pid, rank.last_rss, rank.hello_at
+            )
         return RankFailure(
             rank.rank,
             rank.pid,
@@ -463,6 +481,7 @@ class RankGroup:
             output_tail=crash_excerpt(list(rank.tail)),
             time=time.time(),
             lost=lost or "",
+            out_of_memory=out_of_memory or "",
         )
 
     def _keep_remote_exception(

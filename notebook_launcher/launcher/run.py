@@ -251,6 +251,7 @@ def rank_specs(
             environ=environ,
         )
         rank_environ.update(elastic_vars)
+        rank_environ.update(plan.rank_environ)
         if round_.secret is not None:
             rank_environ[store.SECRET_ENV] = round_.secret
         specs.append(

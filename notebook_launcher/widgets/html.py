@@ -10,9 +10,16 @@ from __future__ import annotations
 import html
 import itertools
 
+from notebook_launcher.rank_memory import MachineMemory
 from notebook_launcher.widgets.plot import Drawn, rank_colour
 from notebook_launcher.widgets.record import DashboardRecord, RankRow
-from notebook_launcher.widgets.text import format_seconds, headline, memory_text, shorten
+from notebook_launcher.widgets.text import (
+    format_seconds,
+    headline,
+    machine_warning,
+    memory_text,
+    shorten,
+)
 
 STATE_COLOURS = {
     "starting": "#7f7f7f",
@@ -55,6 +62,14 @@ def header_html(record: DashboardRecord, now: float) -> str:
         parts.append(
             f'<br><span style="opacity: 0.85;">{html.escape(shorten(record.notice, _DETAIL_CHARS))}</span>'
         )
+    warning = machine_warning(record)
+    if warning:
+        parts.append(
+            f'<br><span class="nl-ram-warning" style="color: #d62728;">⚠ {html.escape(warning)}</span>'
+        )
+    found = record.diagnosis()
+    if found is not None:
+        parts.append(f'<br><span class="nl-diagnosis">{html.escape(found.sentence)}</span>')
     parts.append("</div>")
     return "".join(parts)
 
@@ -65,7 +80,9 @@ def rows_html(record: DashboardRecord, now: float) -> str:
         f'<th style="{_CELL} font-weight: 600; opacity: 0.7; white-space: nowrap;">{title}</th>'
         for title, _ in _COLUMNS
     )
-    body = "".join(_row_html(record.rows[rank], now) for rank in sorted(record.rows))
+    body = "".join(
+        _row_html(record.rows[rank], now, record.machine_memory) for rank in sorted(record.rows)
+    )
     return (
         '<table style="border-collapse: collapse; font-size: 12.5px; margin: 2px 0 6px 0; '
         'width: 100%; table-layout: fixed;">'
@@ -73,7 +90,7 @@ def rows_html(record: DashboardRecord, now: float) -> str:
     )
 
 
-def _row_html(row: RankRow, now: float) -> str:
+def _row_html(row: RankRow, now: float, machine: MachineMemory | None = None) -> str:
     elapsed = row.elapsed(now)
     swatch = (
         f'<span style="display: inline-block; width: 10px; height: 10px; border-radius: 2px; '
@@ -91,7 +108,7 @@ def _row_html(row: RankRow, now: float) -> str:
         _detail_html(row),
         _progress_html(row),
         _metrics_html(row),
-        _memory_html(row),
+        _memory_html(row, machine),
         html.escape(row.device or "-"),
         str(row.pid or "-"),
     ]
@@ -124,14 +141,17 @@ def _metrics_html(row: RankRow) -> str:
     return shown
 
 
-def _memory_html(row: RankRow) -> str:
+def _memory_html(row: RankRow, machine: MachineMemory | None = None) -> str:
     memory = row.memory
     if memory is None:
         return '<span style="opacity: 0.5;">-</span>'
     what = "peak CUDA memory allocated" if memory.kind == "cuda" else "peak resident memory (RSS)"
+    if machine is not None:
+        what += f"; the machine's {machine.text()} in use"
+    colour = " color: #d62728;" if machine is not None and machine.warning else ""
     return (
         f'<span class="nl-memory" title="{html.escape(what)} on {html.escape(memory.device)}" '
-        f'style="white-space: nowrap;">{html.escape(memory_text(row))}</span>'
+        f'style="white-space: nowrap;{colour}">{html.escape(memory_text(row, machine))}</span>'
     )
 
 

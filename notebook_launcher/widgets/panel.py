@@ -14,7 +14,7 @@ import html
 from typing import Any
 
 from notebook_launcher import defaults as launch_defaults
-from notebook_launcher import rules
+from notebook_launcher import gpu_guards, rules
 from notebook_launcher.defaults import EffectiveDefaults, LaunchDefaults
 from notebook_launcher.errors import DefaultsError
 from notebook_launcher.hardware import HardwareReport
@@ -86,13 +86,19 @@ def apply_choice(
 
 def hardware_html(report: HardwareReport) -> str:
     items = [f"<b>CPU</b>: {report.cpu_count} core{'s' if report.cpu_count != 1 else ''}"]
+    usable = gpu_guards.usable_gpus(report.gpus) if report.gpus else {}
     for gpu in report.gpus:
         capability = (
             f", compute capability {gpu.compute_capability}" if gpu.compute_capability else ""
         )
-        items.append(
-            f"<b>GPU {gpu.index}</b>: {html.escape(gpu.name)}, {gpu.memory_mib / 1024:.0f} GiB{capability}"
-        )
+        line = f"<b>GPU {gpu.index}</b>: {html.escape(gpu.name)}, {gpu.memory_mib / 1024:.0f} GiB{capability}"
+        if not usable.get(gpu.index, True):
+            # Greyed out: a launch on it is refused, with the fix, before any rank starts.
+            line = (
+                f'<span class="nl-gpu-unusable" style="opacity: 0.45;">{line}: the installed '
+                "torch has no kernels for it</span>"
+            )
+        items.append(line)
     if report.tpu_cores:
         items.append(f"<b>TPU</b>: {report.tpu_cores} cores")
     if report.mps_available:

@@ -16,6 +16,7 @@ from collections.abc import MutableSequence, Sequence
 from typing import Any, Callable
 
 from notebook_launcher.errors import RankFailure
+from notebook_launcher.launcher.diagnosis import Diagnosis, diagnose
 from notebook_launcher.launcher.events import (
     LaunchEvent,
     LaunchFinished,
@@ -26,8 +27,10 @@ from notebook_launcher.launcher.events import (
     RankMetrics,
     RankProgress,
     RankStarted,
+    RankSteps,
 )
 from notebook_launcher.launcher.metric_batch import MetricBatch
+from notebook_launcher.rank_memory import MachineMemory, machine_memory
 from notebook_launcher.shown_text import cut, cut_lines
 from notebook_launcher.widgets.progress_text import parse_progress_line
 
@@ -42,6 +45,7 @@ NONFINITE_KEPT = 200  # NaN/inf points kept per curve besides the thinned ones, 
 # per step (f"loss_{i}") would otherwise keep a curve each, in a record the kernel holds
 # among its last launches. Values logged under later names are counted, not kept.
 METRICS_KEPT = 1000
+MACHINE_READ_S = 1.0
 _NAMES_NOT_KEPT_SHOWN = 3
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-_]")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
@@ -188,6 +192,9 @@ class RankRow:
     output_lines: int = 0  # all lines seen, including those no longer kept
     last_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     memory: RankMemory | None = None  # the latest reading: peak RSS, or peak CUDA allocations
+    # Where its training steps go, from the Accelerator (medians per step); None before it
+    # took a step through one, or in a launch that does not use it.
+    steps: dict[str, Any] | None = None
 
     @property
     def peak_memory(self) -> int | None:
@@ -219,6 +226,10 @@ class DashboardRecord:
         self.values_not_kept = 0  # logged under names past the first METRICS_KEPT
         self.names_not_kept: list[str] = []  # the first few of those names, as shown
         self.failures: dict[int, RankFailure] = {}
+        self.machine_memory: MachineMemory | None = None  # read as the ranks report theirs
+        self._machine_read_at: float | None = None
+        self._diagnosis: tuple[int, Diagnosis | None] = (-1, None)  # (steps_version, found)
+        self.steps_version = 0
         self.notice: str | None = None  # the latest line of an event without a row of its own
         self.wall_started_at = time.time()
         self.ended_at: float | None = None
@@ -258,6 +269,10 @@ class DashboardRecord:
         elif isinstance(event, RankMemory):
             # The rank's own peak so far (a restarted rank starts it over).
             self._row(event.rank).memory = event
+            self._read_machine_memory()
+        elif isinstance(event, RankSteps):
+            self._row(event.rank).steps = dict(event.summary)
+            self.steps_version += 1
         elif isinstance(event, LaunchStarted):
             self.num_processes = event.num_processes
             self.accelerator, self.mixed_precision = event.accelerator, event.mixed_precision
@@ -282,6 +297,22 @@ class DashboardRecord:
                 return
             self.notice = clean_text(line)
         self.rows_version += 1
+
+    def diagnosis(self) -> Diagnosis | None:
+        """What limits the launch, from its ranks' steps; None where no rank took a step."""
+        version, found = self._diagnosis
+        if version != self.steps_version:
+            steps = {rank: row.steps for rank, row in self.rows.items()}
+            found = diagnose(steps, self.num_processes or len(steps), self.accelerator)
+            self._diagnosis = (self.steps_version, found)
+        return found
+
+    def _read_machine_memory(self) -> None:
+        # The ranks report about once a second each: the machine is read at most as often.
+        now = self.now()
+        if self._machine_read_at is None or now - self._machine_read_at >= MACHINE_READ_S:
+            self._machine_read_at = now
+            self.machine_memory = machine_memory()
 
     def _row(self, rank: int) -> RankRow:
         row = self.rows.get(rank)
@@ -444,14 +475,23 @@ def record_data(record: DashboardRecord) -> dict[str, Any]:
             "peak_memory": None if row.memory is None else {
                 "kind": row.memory.kind, "peak_bytes": row.memory.peak_bytes,
                 "current_bytes": row.memory.current_bytes, "device": row.memory.device,
+                "rss_bytes": row.memory.rss_bytes,
             },
+            "steps": None if row.steps is None else dict(row.steps),
         })  # fmt: skip
+    found = record.diagnosis()
+    machine = record.machine_memory
     return {
         "outcome": record.outcome, "elapsed": record.elapsed, "started_at": record.wall_started_at,
         "ended_at": record.ended_at, "num_processes": record.num_processes,
         "accelerator": record.accelerator, "mixed_precision": record.mixed_precision,
         "start_method": record.start_method, "ranks": ranks, "metrics": metrics,
         "values_not_kept": record.values_not_kept,
+        "diagnosis": None if found is None else found.sentence,
+        "speedup": None if found is None else found.speedup,
+        "machine_memory": None if machine is None else {
+            "used_bytes": machine.used_bytes, "total_bytes": machine.total_bytes,
+        },
     }  # fmt: skip
 
 

@@ -19,6 +19,7 @@ from notebook_launcher.widgets.record import DashboardRecord, clean_text
 from notebook_launcher.widgets.text import (
     format_seconds,
     headline,
+    machine_warning,
     memory_text,
     progress_text,
     shorten,
@@ -79,7 +80,7 @@ def record_html(
             detail,
             html.escape(shorten(progress_text(row), 60)),
             metrics or "-",
-            f'<span class="nl-memory">{html.escape(memory_text(row))}</span>',
+            f'<span class="nl-memory">{html.escape(memory_text(row, record.machine_memory))}</span>',
             html.escape(row.device or "-"),
         ]
         rows.append(
@@ -90,6 +91,12 @@ def record_html(
     parts.append(
         f'<table class="nl-record-table"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
     )
+    warning = machine_warning(record)
+    if warning:
+        parts.append(f'<p class="nl-ram-warning">⚠ {html.escape(warning)}</p>')
+    found = record.diagnosis()
+    if found is not None:
+        parts.append(f'<p class="nl-diagnosis">{html.escape(found.sentence)}</p>')
     if drawn is not None and drawn.svg:
         parts.append(f"<div>{drawn.svg}</div>")
         parts.append(f"<p><small>{plot_caption(record, drawn)}</small></p>")

@@ -14,7 +14,7 @@ import sys
 from typing import TextIO
 
 from notebook_launcher.launcher.events import LaunchEvent, LaunchFinished, LaunchStarted
-from notebook_launcher.rank_memory import format_bytes
+from notebook_launcher.rank_memory import MachineMemory, format_bytes
 from notebook_launcher.widgets import history
 from notebook_launcher.widgets.record import DashboardRecord, RankRow
 
@@ -58,13 +58,32 @@ def metrics_text(row: RankRow, shown: int = 6) -> str:
     return text + (f" (+{len(items) - shown} more)" if len(items) > shown else "")
 
 
-def memory_text(row: RankRow) -> str:
-    """The rank's peak memory: ``412 MB`` (RSS), ``1.3 GB cuda`` (allocated on its GPU)."""
+def memory_text(row: RankRow, machine: MachineMemory | None = None) -> str:
+    """The rank's peak memory: ``412 MB`` (RSS), ``1.3 GB cuda, 2.1 GB RSS`` (allocated on
+    its GPU, and its resident memory now), then the machine's RAM in use: ``· RAM 76%``."""
     memory = row.memory
     if memory is None:
         return "-"
     text = format_bytes(memory.peak_bytes)
-    return f"{text} cuda" if memory.kind == "cuda" else text
+    if memory.kind == "cuda":
+        text = f"{text} cuda"
+        if memory.rss_bytes is not None:
+            text += f", {format_bytes(memory.rss_bytes)} RSS"
+    if machine is not None:
+        text += f" · {'⚠ ' if machine.warning else ''}RAM {machine.share:.0%}"
+    return text
+
+
+def machine_warning(record: DashboardRecord) -> str | None:
+    """A line when the machine's RAM is nearly full, else None."""
+    machine = record.machine_memory
+    if machine is None or not machine.warning:
+        return None
+    return (
+        f"The machine's {machine.text()} is in use: a rank that needs more is killed by the "
+        "kernel's OOM killer. Load the model once per machine (main_process_first), in a "
+        "smaller dtype, or use fewer ranks."
+    )
 
 
 def detail_text(row: RankRow) -> str:
@@ -85,7 +104,8 @@ def table(record: DashboardRecord, now: float) -> str:
         elapsed = row.elapsed(now)
         rows.append((
             str(rank), row.state, row.device or "-", str(row.pid or "-"),
-            format_seconds(elapsed) if elapsed is not None else "-", memory_text(row),
+            format_seconds(elapsed) if elapsed is not None else "-",
+            memory_text(row, record.machine_memory),
             progress_text(row), metrics_text(row), detail_text(row),
         ))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
@@ -95,7 +115,15 @@ def table(record: DashboardRecord, now: float) -> str:
 
 
 def summary(record: DashboardRecord, now: float) -> str:
-    return f"notebook_launcher: {headline(record, now)}\n{table(record, now)}"
+    """The headline, the table, and what limited the launch (where its ranks took steps)."""
+    lines = [f"notebook_launcher: {headline(record, now)}", table(record, now)]
+    warning = machine_warning(record)
+    if warning:
+        lines.append(warning)
+    found = record.diagnosis()
+    if found is not None:
+        lines.append(found.sentence)
+    return "\n".join(lines)
 
 
 def format_seconds(seconds: float) -> str:

@@ -18,7 +18,9 @@ from notebook_launcher.launcher.events import (
     RankProgress,
     RankStarted,
 )
+from notebook_launcher.rank_memory import MachineMemory, machine_memory
 from notebook_launcher.widgets import html as views
+from notebook_launcher.widgets import record as record_module
 from notebook_launcher.widgets.record import (
     METRICS_KEPT,
     POINTS_KEPT,
@@ -331,7 +333,8 @@ def test_a_metric_name_made_per_call_keeps_a_bounded_record_and_says_what_it_lef
     )
 
 
-def test_each_rank_peak_memory_is_a_column_of_the_text_html_and_data():
+def test_each_rank_peak_memory_is_a_column_of_the_text_html_and_data(monkeypatch):
+    monkeypatch.setattr(record_module, "machine_memory", lambda: None)  # shown by the next test
     clock = Clock()
     record = DashboardRecord(clock)
     started(record, clock)
@@ -357,8 +360,46 @@ def test_each_rank_peak_memory_is_a_column_of_the_text_html_and_data():
         "peak_bytes": 338_952_192,
         "current_bytes": 330_000_000,
         "device": "cpu",
+        "rss_bytes": None,
     }
     assert ranks[1]["peak_memory"]["kind"] == "cuda"
+
+
+def test_the_machine_ram_in_use_shows_beside_each_rank_and_warns_past_85_percent(monkeypatch):
+    readings = iter([MachineMemory(12 * 10**9, 24 * 10**9), MachineMemory(21 * 10**9, 24 * 10**9)])
+    monkeypatch.setattr(record_module, "machine_memory", lambda: next(readings))
+    clock = Clock()
+    record = DashboardRecord(clock)
+    started(record, clock)
+    record.apply(RankMemory(0, "rss", 338_952_192, 330_000_000, "cpu", 330_000_000))
+    lines = summary(record, clock.now).splitlines()
+    assert "339 MB · RAM 50%" in lines[2]
+    assert not any("OOM killer" in line for line in lines)
+    clock.now += 2  # read again at most once a second
+    # A GPU rank: its CUDA peak, and its resident memory beside the machine's.
+    record.apply(RankMemory(1, "cuda", 2_400_000_000, 1_000_000_000, "cuda:1", 3_100_000_000))
+    lines = summary(record, clock.now).splitlines()
+    assert "2.4 GB cuda, 3.1 GB RSS · ⚠ RAM 88%" in lines[3]
+    assert lines[4] == (
+        "The machine's RAM 21 GB of 24 GB (88%) is in use: a rank that needs more is killed by "
+        "the kernel's OOM killer. Load the model once per machine (main_process_first), in a "
+        "smaller dtype, or use fewer ranks."
+    )
+    assert "nl-ram-warning" in views.header_html(record, clock.now)
+    assert "color: #d62728;" in views.rows_html(record, clock.now)
+    assert record_data(record)["machine_memory"] == {
+        "used_bytes": 21 * 10**9,
+        "total_bytes": 24 * 10**9,
+    }
+
+
+def test_the_machine_ram_is_read_from_meminfo(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree: 1 kB\nMemAvailable:    6000000 kB\n")
+    machine = machine_memory(str(meminfo))
+    assert machine == MachineMemory(18_000_000 * 1024, 24_000_000 * 1024)
+    assert machine.share == 0.75 and not machine.warning
+    assert machine_memory(str(tmp_path / "absent")) is None
 
 
 def test_a_rank_that_never_reported_memory_shows_a_dash():

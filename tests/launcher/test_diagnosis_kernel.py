@@ -1,0 +1,141 @@
+"""A launch says what limits it, in a real kernel and from a script: DDP training on 2 CPU
+ranks whose gradients are large against their computing (a big embedding table and linear
+layers, batch of 2) waits in the all-reduce; one whose computing is large against its
+gradients (small layers, a batch of thousands) does not.
+
+Linear layers alone at a batch of 2 were tried first: on CPU ranks their backward pass and
+optimizer step are memory-bound work on the same 64 MB the all-reduce moves, and the wait
+measured 10-34 % of a step on this machine under load, below the verdict's 30 %. The
+embedding table keeps the gradient as large while the computing almost vanishes."""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.kernel_driver import RunningKernel
+
+pytestmark = [pytest.mark.kernel, pytest.mark.timeout(600)]
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+TRAIN = """
+import torch
+from notebook_launcher import Accelerator, DistributedDataParallelKwargs, notebook_launcher, launches
+
+def make(kind):
+    if kind == "gradients":  # 64 MB of gradients, for almost no computing at a batch of 2
+        rows = 2 ** 22
+        model = torch.nn.Sequential(
+            torch.nn.Embedding(rows, 4), torch.nn.Flatten(), torch.nn.Linear(4, 1))
+        return model, lambda n: torch.randint(0, rows, (n, 1))
+    # 2 x 128^2 weights (128 kB of gradients), for a batch of thousands of samples
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128))
+    return model, lambda n: torch.randn(n, 128)
+
+def train(kind, batch, steps):
+    torch.manual_seed(0)
+    # Gradients kept in DDP's buckets: no copy into them, which on CPU ranks costs about
+    # as much as the all-reduce itself.
+    accelerator = Accelerator(
+        kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
+    model, inputs = make(kind)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    data = torch.utils.data.DataLoader(inputs(batch * steps * 2), batch_size=batch)
+    model, optimizer, data = accelerator.prepare(model, optimizer, data)
+    for x in data:
+        accelerator.backward(model(x).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+
+def plain():
+    return 1
+"""
+COMMUNICATION_BOUND = ("gradients", 2, 12)
+COMPUTE_BOUND = ("computing", 4096, 12)
+SHARE = re.compile(r"^Communication-bound: every rank waits in collectives for at least (\d+)% ")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory):
+    runtime = tmp_path_factory.mktemp("runtime")
+    old = os.environ.get("JUPYTER_RUNTIME_DIR")
+    os.environ["JUPYTER_RUNTIME_DIR"] = str(runtime)
+    running = RunningKernel()
+    try:
+        setup = running.run(f"import sys; sys.path.insert(0, {str(REPO)!r})\n" + TRAIN)
+        assert setup.error is None, setup.error
+        yield running
+    finally:
+        running.manager.shutdown_kernel(now=True)
+        if old is None:
+            os.environ.pop("JUPYTER_RUNTIME_DIR", None)
+        else:
+            os.environ["JUPYTER_RUNTIME_DIR"] = old
+
+
+def last_launch(kernel: RunningKernel, function: str, args: tuple = ()) -> dict:
+    """Launch ``function`` on 2 ranks with the dashboard, then read its record."""
+    cell = kernel.run(
+        f"notebook_launcher({function}, args={args!r}, num_processes=2, dashboard=True)\n"
+        "last = launches()[-1]\n"
+        "print(repr({'diagnosis': last['diagnosis'], 'speedup': last['speedup'], "
+        "'steps': [r['steps'] for r in last['ranks']]}))"
+    )
+    assert cell.error is None, cell.error
+    return ast.literal_eval(cell.stdout.strip().splitlines()[-1])
+
+
+def test_ddp_with_large_gradients_and_a_tiny_batch_is_diagnosed_communication_bound(kernel):
+    found = last_launch(kernel, "train", COMMUNICATION_BOUND)
+    sentence = found["diagnosis"]
+    match = SHARE.match(sentence or "")
+    assert match, sentence
+    assert int(match.group(1)) >= 30
+    assert re.search(r"so 2 ranks give about \d\.\dx one; ", sentence), sentence
+    for steps in found["steps"]:
+        assert set(steps) == {"count", "median_s", "compute_s", "collectives_s", "data_s"}
+        assert steps["count"] >= 10
+        assert steps["collectives_s"] / steps["median_s"] >= 0.3
+    assert 0 < found["speedup"] < 2 * 0.7
+
+
+def test_ddp_with_small_gradients_and_a_big_batch_is_not_communication_bound(kernel):
+    found = last_launch(kernel, "train", COMPUTE_BOUND)
+    sentence = found["diagnosis"]
+    assert sentence and not sentence.startswith("Communication-bound"), sentence
+    # On a busy machine one rank may be slowed by others' work: it is then a straggler.
+    assert sentence.startswith(("Compute-bound: ", "A straggler: ")), sentence
+    # A rank slowed by others' work makes the other wait for it in the all-reduce; the
+    # slowest rank itself hardly waits.
+    assert min(s["collectives_s"] / s["median_s"] for s in found["steps"]) < 0.3
+
+
+def test_a_launch_without_the_accelerator_has_no_steps_and_no_diagnosis(kernel):
+    found = last_launch(kernel, "plain")
+    assert found == {"diagnosis": None, "speedup": None, "steps": [None, None]}
+
+
+def test_a_script_ends_its_table_on_stderr_with_the_diagnosis(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        TRAIN + f"\nnotebook_launcher(train, args={COMMUNICATION_BOUND!r}, num_processes=2)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env={**os.environ, "PYTHONPATH": str(REPO), "JUPYTER_RUNTIME_DIR": str(tmp_path)},
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.rstrip().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("rank  state"))
+    assert [line.split()[0] for line in lines[header + 1 : header + 3]] == ["0", "1"]
+    assert SHARE.match(lines[-1]), lines[-1]
+    assert lines[-1] == lines[header + 3]  # right under the table
