@@ -10,7 +10,6 @@ answer, so each rank's output lands, prefixed, in the cell that asked.
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
 import signal
 import threading
@@ -18,7 +17,7 @@ import time
 import uuid
 from typing import Any, Callable
 
-from notebook_launcher.errors import RankFailure
+from notebook_launcher.errors import RankFailure, SessionError
 from notebook_launcher.launcher import backends
 from notebook_launcher.launcher.events import LaunchObserver
 from notebook_launcher.launcher.plan import LaunchPlan
@@ -70,6 +69,12 @@ class SessionRanks:
         try:
             backend = backends.lookup(plan.backend)
             backends.check_supports(backend, plan.accelerator)
+            if not backend.supports_sessions:
+                raise SessionError(
+                    f"the {backend.name!r} backend cannot keep ranks for a session: its ranks "
+                    "take no commands between cells. Use notebook_launcher(..., "
+                    f"backend={backend.name!r}) to run a function on them instead."
+                )
             backend.check(plan)
             listener = bind_listener(plan.master_addr, plan.port)
             self._cleanup.callback(listener.close)
@@ -120,7 +125,7 @@ class SessionRanks:
             rank = self.group.ranks[index]
             if rank.state == RankState.RUNNING and rank.pid is not None:
                 self.send(index, Interrupt(seq))
-                self._signal_rank(rank, signal.SIGINT)
+                self.group.signal_rank(index, signal.SIGINT)
 
     def ask(self, ranks: list[int]) -> None:
         """Ask these ranks what they are doing (SIGUSR1); each answers with a Snapshot, also
@@ -130,14 +135,7 @@ class SessionRanks:
             # Only a rank that said Ready has its answer set up: before that, SIGUSR1's
             # default action would end it.
             if rank.state == RankState.RUNNING and rank.pid is not None and index in self.ready:
-                self._signal_rank(rank, signal.SIGUSR1)
-
-    @staticmethod
-    def _signal_rank(rank: Rank, signum: int) -> None:
-        """The one place a session signals a rank itself (not its children): the rank's own
-        process, here a local pid. A rank that ended meanwhile is no error."""
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(rank.pid, signum)  # type: ignore[arg-type]  # callers check it is set
+                self.group.signal_rank(index, signal.SIGUSR1)
 
     def look(self, targets: list[int]) -> dict[int, Snapshot | None]:
         """Each target's answer to "what are you doing?" (None: no answer in time).

@@ -540,3 +540,16 @@ def test_status_from_another_thread_while_a_cell_runs_says_what_and_where(sessio
         LaunchTypeError, match=r"^timeout=-1 must be a number of seconds above 0, or None\.$"
     ):
         session.execute("1", timeout=-1)
+
+
+def test_a_backend_whose_ranks_take_no_commands_is_refused_before_any_rank_starts(monkeypatch):
+    from notebook_launcher.launcher.backends.local import LocalBackend
+
+    monkeypatch.setattr(LocalBackend, "supports_sessions", False)
+    with pytest.raises(
+        SessionError,
+        match=r"the 'local' backend cannot keep ranks for a session: its ranks take no commands "
+        r"between cells\. Use notebook_launcher\(\.\.\., backend='local'\)",
+    ):
+        Session(num_processes=2)
+    assert rank_processes() == []
