@@ -84,8 +84,8 @@ class _Compiler:
 
 
 class _History:
-    input_hist_raw = ["", "a = 1", "b = 2", "a = 1"]
-    input_hist_parsed = ["", "a = 1\n", "b = 2\n", "a = 1\n"]
+    input_hist_raw = ("", "a = 1", "b = 2", "a = 1")
+    input_hist_parsed = ("", "a = 1\n", "b = 2\n", "a = 1\n")
 
 
 class _Shell:
