@@ -122,3 +122,27 @@ def test_forks_the_users_code_makes_in_a_rank_still_warn(tmp_path):
     shown = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(shown) == 1 and "is multi-threaded, use of fork()" in shown[0], shown
     assert "multi-threaded" not in done.stderr, done.stderr  # the launch's own fork: silent
+
+
+@pytest.mark.kernel
+def test_in_a_kernel_the_launch_record_names_the_kernel_from_its_connection_file(tmp_path):
+    from jupyter_client.manager import KernelManager
+
+    # Named as a Jupyter server names a kernel's connection file: kernel-<id>.json.
+    manager = KernelManager(kernel_name="python3")
+    manager.connection_file = str(tmp_path / "kernel-5e0c1d2a-0000-4000-8000-000000000001.json")
+    manager.start_kernel()
+    client = manager.client()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=600)
+        reply = client.execute_interactive(
+            "from notebook_launcher import registry\nkernel_id = registry.current_kernel_id()",
+            user_expressions={"kernel_id": "kernel_id"},
+            timeout=600,
+        )
+        shown = reply["content"]["user_expressions"]["kernel_id"]["data"]["text/plain"]
+        assert shown == "'5e0c1d2a-0000-4000-8000-000000000001'"
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
