@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -54,12 +55,20 @@ def registry_dir() -> Path:
 
 
 def current_kernel_id() -> str | None:
-    """The id of the Jupyter kernel this process is, from its connection file's name."""
-    try:
-        from ipykernel.connect import get_connection_file
+    """The id of the Jupyter kernel this process is, from its connection file's name.
 
-        name = Path(get_connection_file()).name
-    except Exception:  # not a kernel, or ipykernel absent
+    Read from the running kernel application itself, and only where one runs: ipykernel's
+    ``get_connection_file`` imports ipykernel's debugger (debugpy) on some versions (6.17,
+    as Colab and Kaggle ship), which writes ``PYDEVD_USE_FRAME_EVAL`` into the environment
+    and prints pydevd's warnings, and a script that launches has no kernel to ask.
+    """
+    kernelapp = sys.modules.get("ipykernel.kernelapp")  # never imported here: only looked up
+    app = getattr(kernelapp, "IPKernelApp", None)
+    try:
+        if app is None or not app.initialized():
+            return None
+        name = Path(app.instance().connection_file).name
+    except Exception:  # an ipykernel without these: the record only lacks the kernel's id
         return None
     if name.startswith("kernel-") and name.endswith(".json"):
         return name[len("kernel-") : -len(".json")]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from notebook_launcher.cell_names import name_cells
 from notebook_launcher.errors import (
     LaunchStoppedError,
     LaunchTimeoutError,
@@ -66,7 +67,8 @@ def rank_failed_error(outcome: Outcome) -> RankFailedError:
         summary = later.summary()
         lines.append(_sentence(f"Afterwards, {summary[0].lower()}{summary[1:]}"))
     if root.traceback:
-        lines += ["", f"Traceback from rank {root.rank}:", cut_lines(root.traceback.rstrip())]
+        shown = name_cells(root.traceback.rstrip())  # cells as the notebook numbers them
+        lines += ["", f"Traceback from rank {root.rank}:", cut_lines(shown)]
     elif root.output_tail:
         lines += ["", f"Last output of rank {root.rank}:", cut_lines(root.output_tail)]
     remote = outcome.remote_exceptions.get(root.rank)

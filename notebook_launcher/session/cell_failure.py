@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 import cloudpickle
 
+from notebook_launcher.cell_names import name_cells
 from notebook_launcher.errors import RankFailedError, RankFailure, rank_failed_error_class
 from notebook_launcher.session.protocol import Reply
 
@@ -48,7 +49,8 @@ def cell_error(
     lines.append("The session is ready for the next cell.")
     failure = replies[root.rank].failure
     assert failure is not None
-    lines += ["", f"Traceback from rank {root.rank}:", failure.traceback.rstrip()]
+    # Functions and classes from earlier cells: named as the notebook numbers its cells.
+    lines += ["", f"Traceback from rank {root.rank}:", name_cells(failure.traceback.rstrip())]
     remote: BaseException | None = None
     remote_type: type[BaseException] | None = None
     if failure.exception is not None:

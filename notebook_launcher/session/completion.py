@@ -162,23 +162,80 @@ def merge(per_rank: list[list[tuple[str, str]]]) -> list[tuple[str, str]]:
 def install(shell: Any, session_of: Callable[[], Any], auto_of: Callable[[], bool]) -> None:
     """Answer completion and inspection in rank cells from the ranks (IPython's matcher API for
     Tab; the kernel's inspect handler for Shift-Tab, which is not given the cell otherwise)."""
-    from IPython.core.completer import SimpleCompletion, context_matcher
+    try:  # IPython 8.6 and later: a matcher is given the whole cell and can silence the others
+        from IPython.core.completer import SimpleCompletion, context_matcher
+    except ImportError:
+        _install_plain_matcher(shell, session_of, auto_of)
+    else:
 
-    @context_matcher()
-    def rank_names(context: Any) -> dict[str, Any]:
+        @context_matcher()  # type: ignore[untyped-decorator, unused-ignore]
+        def rank_names(context: Any) -> dict[str, Any]:
+            session = session_of()
+            if session is None or not session.alive or not rank_cell(context.full_text, auto_of()):
+                return {"completions": [], "suppress": False}
+            found = _TOKEN_BEFORE.search(context.text_until_cursor)
+            token = found.group(0) if found else ""
+            try:
+                found_on_ranks = session.complete(token)
+            except Exception:  # the ranks went away meanwhile: the kernel's own completions
+                return {"completions": [], "suppress": False}
+            completions = [SimpleCompletion(text, type=kind) for text, kind in found_on_ranks]
+            return {"completions": completions, "suppress": True, "matched_fragment": token}
+
+        shell.Completer.custom_matchers.append(rank_names)
+    _install_inspection(shell, session_of, auto_of)
+
+
+def _install_plain_matcher(
+    shell: Any, session_of: Callable[[], Any], auto_of: Callable[[], bool]
+) -> None:
+    """Tab in rank cells where IPython has only its older matcher API (IPython 7 to 8.5).
+
+    A matcher there is given the token alone, not the cell, and cannot silence the other
+    completers: the cell is remembered from the kernel's complete request, and in a rank cell
+    that one request runs without jedi (whose names are the kernel's). Completions show no
+    types there: a plain matcher returns text only.
+    """
+    completer = shell.Completer
+    cell = {"text": ""}
+
+    def rank_names(text: str) -> list[str]:
         session = session_of()
-        if session is None or not session.alive or not rank_cell(context.full_text, auto_of()):
-            return {"completions": [], "suppress": False}
-        found = _TOKEN_BEFORE.search(context.text_until_cursor)
-        token = found.group(0) if found else ""
+        if session is None or not session.alive or not rank_cell(cell["text"], auto_of()):
+            return []
+        found = _TOKEN_BEFORE.search(text)
         try:
-            found_on_ranks = session.complete(token)
+            return [name for name, _ in session.complete(found.group(0) if found else "")]
         except Exception:  # the ranks went away meanwhile: the kernel's own completions
-            return {"completions": [], "suppress": False}
-        completions = [SimpleCompletion(text, type=kind) for text, kind in found_on_ranks]
-        return {"completions": completions, "suppress": True, "matched_fragment": token}
+            return []
 
-    shell.Completer.custom_matchers.append(rank_names)
+    completer.custom_matchers.append(rank_names)
+    kernel = getattr(shell, "kernel", None)
+    if kernel is None or getattr(kernel.do_complete, "_from_ranks", False):
+        return
+    kernel_complete = kernel.do_complete
+
+    def do_complete(code: str, cursor_pos: int | None) -> Any:
+        cell["text"] = code
+        session = session_of()
+        on_ranks = session is not None and session.alive and rank_cell(code, auto_of())
+        jedi = getattr(completer, "use_jedi", False)
+        if on_ranks and jedi:
+            completer.use_jedi = False
+        try:
+            return kernel_complete(code, cursor_pos)
+        finally:
+            cell["text"] = ""
+            if on_ranks and jedi:
+                completer.use_jedi = True
+
+    do_complete._from_ranks = True  # type: ignore[attr-defined]
+    kernel.do_complete = do_complete
+
+
+def _install_inspection(
+    shell: Any, session_of: Callable[[], Any], auto_of: Callable[[], bool]
+) -> None:
     kernel = getattr(shell, "kernel", None)
     if kernel is None or getattr(kernel.do_inspect, "_from_ranks", False):
         return

@@ -35,6 +35,7 @@ from notebook_launcher.launcher.events import (
 )
 from notebook_launcher.widgets import history
 from notebook_launcher.widgets import html as views
+from notebook_launcher.widgets._compat import html_style, set_titles
 from notebook_launcher.widgets.plot import Drawn, render_svg
 from notebook_launcher.widgets.record import DashboardRecord
 from notebook_launcher.widgets.static import record_html
@@ -199,9 +200,7 @@ class WidgetDashboard:
         self._last["plot"] = now  # the first picture a second in: a short launch draws once
         # Few widgets, sharing one layout and one style: each widget, layout and style is a
         # model the kernel opens and sends, and that is most of what showing costs.
-        from ipywidgets.widgets.widget_string import HTMLStyle
-
-        layout, style = w.Layout(), HTMLStyle()
+        layout, style = w.Layout(), html_style(w)
         self.rows = self.header = w.HTML(self._table_html(now), layout=layout, style=style)
         self.plot = w.HTML(
             layout=w.Layout(display="none", max_width="100%", overflow="auto"), style=style
@@ -323,8 +322,11 @@ class WidgetDashboard:
     def _title_outputs(self) -> None:
         rows = [self.record.rows[rank] for rank in sorted(self.record.rows)]
         total = sum(row.output_lines for row in rows)
-        self.tabs.titles = tuple(f"rank {row.rank} ({row.output_lines})" for row in rows)
+        set_titles(self.tabs, [f"rank {row.rank} ({row.output_lines})" for row in rows])
         ranks = len(self.record.rows)
-        self.accordion.titles = (
-            f"Output of {ranks} rank{'s' if ranks != 1 else ''} ({total} line{'s' if total != 1 else ''})",
+        set_titles(
+            self.accordion,
+            [
+                f"Output of {ranks} rank{'s' if ranks != 1 else ''} ({total} line{'s' if total != 1 else ''})"
+            ],
         )

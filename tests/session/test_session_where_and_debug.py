@@ -202,7 +202,12 @@ def test_tab_and_shift_tab_answer_from_the_ranks_without_touching_the_kernels_na
         reply = shell_reply(kernel, kernel.client.complete(code, len(code)))
         assert reply["matches"] == expected and reply["cursor_start"] == code.index("\n") + 1, reply
     types = {c["text"]: c["type"] for c in reply["metadata"]["_jupyter_types_experimental"]}
-    assert types == {"rank_one_thing": "int, rank 1 only"}
+    from IPython.core import completer  # the kernel's IPython is this environment's
+
+    if hasattr(completer, "context_matcher"):
+        assert types == {"rank_one_thing": "int, rank 1 only"}
+    else:  # IPython before 8.6: a matcher returns names without their types
+        assert list(types) == ["rank_one_thing"]
     code = "%%distributed\nscale(3)"
     reply = shell_reply(kernel, kernel.client.inspect(code, code.index("scale") + 2))
     assert reply["found"] is True

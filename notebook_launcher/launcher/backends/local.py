@@ -7,7 +7,8 @@ import multiprocessing
 import os
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.context import BaseContext
 from typing import TYPE_CHECKING, Any
 
@@ -101,12 +102,13 @@ class LocalBackend(Backend):
         target: RankTarget,
     ) -> Started:
         context = start_context(plan.start.method)
+        forking = plan.start.method == "fork"
         controls: list[RankControl] = []
         try:
-            with _main_module_hidden(plan.start.method != "fork"):
+            with _main_module_hidden(not forking), _fork_warning_silenced(forking) as rank_target:
                 for spec, rank_ends in zip(specs, ends):
                     process = context.Process(  # type: ignore[attr-defined]
-                        target=target,
+                        target=rank_target(target),
                         args=(spec, payload, rank_ends),
                         name=f"notebook_launcher-rank{spec.rank}",
                     )
@@ -119,6 +121,49 @@ class LocalBackend(Backend):
                 control.release()
             raise
         return Started(controls)
+
+
+# What Python 3.12 and later warn at every fork of a process that has threads (a Jupyter
+# kernel always has some: its heartbeat, IOPub and control threads, the history writer).
+_FORK_WITH_THREADS = (
+    r"This process \(pid=\d+\) is multi-threaded, use of fork\(\) may lead to deadlocks"
+)
+
+
+@contextlib.contextmanager
+def _fork_warning_silenced(forking: bool) -> Iterator[Callable[[RankTarget], RankTarget]]:
+    """Python's warning about forking a process with threads, left out for our own forks.
+
+    The deadlock it warns of is a child that takes a lock some other thread of the parent
+    held at the fork, and that thread does not exist in the child to release it. A forked
+    rank touches nothing those threads own: before it runs the user's function it closes the
+    descriptors it inherited (the kernel's ZMQ sockets among them), replaces sys.stdout and
+    sys.stderr by streams of its own (ipykernel's talk to its IOPub thread), and starts its
+    own threads; the locks it does take are reinitialised in the child by Python (the import
+    lock, threading, logging's handlers), glibc (malloc) and torch (its intra-op thread
+    pool), as for torch's DataLoader workers, which fork from threaded processes every
+    epoch. Where a fork would really break the ranks (CUDA initialised in the kernel, a
+    process group there), the start-method rules never fork. So the warning is silenced for
+    our fork call alone: by its message, for the time of the call (``catch_warnings`` changes
+    the filters of the whole process meanwhile: a warning of the same text from another
+    thread of this kernel in those milliseconds is silenced too), and undone in each rank
+    before the user's function runs, so that forks the user's code makes still warn.
+    """
+    if not forking:
+        yield lambda target: target
+        return
+    silenced = warnings.catch_warnings()
+    with silenced:
+        warnings.filterwarnings("ignore", message=_FORK_WITH_THREADS, category=DeprecationWarning)
+
+        def rank_target(target: RankTarget) -> RankTarget:
+            def forked_rank(*args: Any) -> None:
+                silenced.__exit__(None, None, None)  # the filters as they were before the fork
+                target(*args)
+
+            return forked_rank
+
+        yield rank_target
 
 
 @contextlib.contextmanager
