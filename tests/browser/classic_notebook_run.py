@@ -16,7 +16,7 @@ from pathlib import Path
 from playwright.sync_api import expect, sync_playwright
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.ports import free_port
+from tests.support.ports import free_port
 
 
 def main(python: str, folder: str) -> None:
