@@ -189,7 +189,7 @@ _PING = 13
 
 def probe_store(host: str, port: int, timeout: float = 2.0) -> str:
     """What listens at ``host:port``: ``"store"`` (a TCPStore answered), ``"nothing"``
-    (refused or unreachable: it may come later) or ``"other"`` (a program that does not
+    (refused, unreachable, or closed without a word: it may come later) or ``"other"`` (a program that does not
     speak the store's protocol, which torch's client would wait on without end).
 
     Asked in Python, so an absent host costs no C++ stack trace per try.
@@ -207,8 +207,13 @@ def probe_store(host: str, port: int, timeout: float = 2.0) -> str:
             while len(answer) < 4:
                 chunk = connection.recv(4 - len(answer))
                 if not chunk:
-                    break
+                    # Closed before a word: a store closing (the previous launch's, released
+                    # by its host meanwhile) does that; it may listen again, so ask again.
+                    return "nothing" if not answer else "other"
                 answer += chunk
-        except OSError:
+        except (ConnectionResetError, BrokenPipeError):
+            if not answer:
+                return "nothing"
+        except OSError:  # no answer in time: a program that does not speak the protocol
             pass
     return "store" if answer == nonce else "other"

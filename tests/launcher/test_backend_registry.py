@@ -273,7 +273,7 @@ def one_backend(request, monkeypatch):
     if request.param == "local":
         yield {"backend": "local", "hardware": "cpu", "num_processes": 2}
         return
-    from .tpu_support import faked_tpu
+    from tests.support.tpu import faked_tpu
 
     with faked_tpu(monkeypatch, "tpu-vm-v4-8"):
         yield {"backend": "xla"}

@@ -512,3 +512,26 @@ def test_each_rdzv_backend_users_may_pass_is_a_registered_strategy():
     assert STRATEGIES["c10d"](config).should_host("127.0.0.1") is None  # hosts if nobody does
     forced = RendezvousConfig("c10d", 2, 1, "", "job", {"is_host": "yes"})
     assert STRATEGIES["c10d"](forced).should_host("10.255.255.1") is True
+
+
+def test_a_port_that_closes_without_a_word_is_asked_again_and_one_that_stays_silent_is_no_store(
+    held_port,
+):
+    """A store that is closing (the previous launch's) accepts and closes at once: it may
+    listen again, so the rendezvous keeps asking; a program that keeps the connection open
+    and says nothing is no store, said at once."""
+    from notebook_launcher.launcher.store import probe_store
+
+    with socket.socket() as closer:
+        closer.bind(("127.0.0.1", 0))
+        closer.listen(1)
+
+        def close_at_once() -> None:
+            connection, _ = closer.accept()
+            connection.close()
+
+        accepting = threading.Thread(target=close_at_once)
+        accepting.start()
+        assert probe_store("127.0.0.1", closer.getsockname()[1], timeout=60) == "nothing"
+        accepting.join()
+    assert probe_store("127.0.0.1", held_port, timeout=0.5) == "other"

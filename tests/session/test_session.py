@@ -134,7 +134,10 @@ def test_the_stop_button_interrupts_every_rank_and_the_session_survives():
             KeyboardInterrupt,
             match=r"^the cell was interrupted on rank\(s\) 0, 1; the process group was rebuilt; the session "
             r"is ready for the next cell\.\nWhere each rank was when it was stopped:\n"
-            r"rank 0: session cell 2, line 3, in time\.sleep\nrank 1: session cell 2, line 3, in time\.sleep$",
+            # A rank's line reaches the kernel as print() writes it, so the stop may find that
+            # rank still returning from print (line 2) rather than asleep (line 3).
+            r"rank 0: session cell 2, line (3, in time\.sleep|2, in print)\n"
+            r"rank 1: session cell 2, line (3, in time\.sleep|2, in print)$",
         ):
             session.execute("import time\nprint('sleeping', flush=True)\ntime.sleep(600)")
         assert session.alive
