@@ -235,9 +235,8 @@ def _rooms() -> dict[str, dict[str, int]]:
     return graph
 
 
-# Known and to be removed: the session's rank inspector and the widgets' share the value
-# summaries, which live in the session. This exception must go once they move below both.
-ALLOWED_ROOM_CYCLES = [["notebook_launcher.session", "notebook_launcher.widgets"]]
+# No exception: a cycle between two rooms is a shared piece that belongs below both.
+ALLOWED_ROOM_CYCLES: list[list[str]] = []
 
 
 def test_the_package_cycle_check_sees_a_cycle_through_submodules() -> None:
