@@ -60,6 +60,8 @@ class StepClock:
         self._last_end: float | None = None
         self._collectives = 0.0
         self._data = 0.0
+        self._tail_queued = False  # the current backward's final callbacks are queued
+        self._computed_at = 0.0  # when the current backward's computing was over
         self._steps: collections.deque[tuple[float, float, float]] = collections.deque(
             maxlen=KEPT_STEPS
         )
@@ -174,15 +176,14 @@ def time_ddp(ddp: Any, clock: StepClock) -> None:
 
 class _BackwardTail:
     """The forward hook and the two final callbacks of :func:`time_ddp` (a class rather than
-    closures: a prepared model stays picklable)."""
+    closures: a prepared model stays picklable). What a backward is doing lives on the
+    clock, so that one backward through two prepared models is timed once."""
 
     def __init__(self, clock: StepClock) -> None:
         self.clock = clock
-        self.queued = False  # one measurement per backward, whichever output it starts from
-        self.computed_at = 0.0
 
     def __call__(self, module: Any, args: Any, output: Any) -> None:
-        self.queued = False  # a backward that raised ran no final callbacks
+        self.clock._tail_queued = False  # a backward that raised ran no final callbacks
         # Every top-level tensor of the output: the loss may come from any of them.
         if isinstance(output, Mapping):
             candidates: Any = output.values()
@@ -196,14 +197,15 @@ class _BackwardTail:
                 node.register_prehook(self._backward_started)
 
     def _backward_started(self, grad_outputs: Any) -> None:
-        if not self.queued:
-            self.queued = True
+        if not self.clock._tail_queued:
+            self.clock._tail_queued = True
             _ENGINE.queue_callback(self._computed)
 
     def _computed(self) -> None:
-        self.computed_at = time.perf_counter()
+        self.clock._computed_at = time.perf_counter()
         _ENGINE.queue_callback(self._reduced)
 
     def _reduced(self) -> None:
-        self.clock._collectives += time.perf_counter() - self.computed_at
-        self.queued = False
+        clock = self.clock
+        clock._collectives += time.perf_counter() - clock._computed_at
+        clock._tail_queued = False
