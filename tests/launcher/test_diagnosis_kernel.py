@@ -47,7 +47,8 @@ def train(kind, batch, steps):
     model, inputs = make(kind)
     # The table's gradient is all-reduced but not stepped: on CPU ranks an SGD step over
     # 64 MB is three more passes of memory-bound computing, which would take back the share
-    # of the step that the all-reduce is (measured 29-30 % with it, under load).
+    # of the step that the all-reduce is (20-38 % of a step with it, 34-77 % without, at
+    # load 9-12).
     stepped = model[-1] if kind == "gradients" else model
     optimizer = torch.optim.SGD(stepped.parameters(), lr=1e-4)
     data = torch.utils.data.DataLoader(inputs(batch * steps * 2), batch_size=batch)
