@@ -8,6 +8,7 @@ the process the test started binds it. A port below that range is never handed o
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 from pathlib import Path
@@ -21,9 +22,19 @@ def _ephemeral_low() -> int:
 
 
 def free_port() -> int:
-    """A loopback port that is free now and outside the ephemeral range."""
+    """A loopback port that is free now and outside the ephemeral range.
+
+    Each pytest-xdist worker draws from a slice of its own (the processes a test starts
+    inherit the worker's name): two tests running at once in two workers never get the same
+    port, where one would otherwise find the other's rendezvous store there.
+    """
     high = _ephemeral_low()
     low = max(1024, high - 16000)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    width = (high - low) // max(1, workers)
+    low, high = low + (index % max(1, workers)) * width, low + (index % max(1, workers) + 1) * width
     for _ in range(200):
         port = random.randrange(low, high)
         with socket.socket() as probe:
