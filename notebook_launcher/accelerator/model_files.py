@@ -18,23 +18,11 @@ import torch
 
 from notebook_launcher.accelerator.adapters import is_peft_model, save_adapter
 from notebook_launcher.accelerator.wrappers import unwrap
+from notebook_launcher.byte_units import BYTE_UNITS
 from notebook_launcher.errors import AcceleratorError, CheckpointError
 
 if TYPE_CHECKING:
     from notebook_launcher.accelerator.accelerator_state import AcceleratorState
-
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
 
 
 def parse_size(size: int | str) -> int:
@@ -47,7 +35,7 @@ def parse_size(size: int | str) -> int:
             f"max_shard_size={size!r} is not a size; pass a number of bytes or a string such as "
             "'10GB', '500MB' or '2GiB'."
         )
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+    return int(float(match.group(1)) * BYTE_UNITS[(match.group(2) or "").upper()])
 
 
 def _without_aliases(state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -7,21 +7,10 @@ from typing import Union
 
 import torch
 
+from notebook_launcher.byte_units import BYTE_UNITS
 from notebook_launcher.errors import BigModelError
 
 Size = Union[int, str]
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -54,7 +43,7 @@ def parse_budget(size: Size, what: str = "budget") -> int:
             f"{what}={size!r} is not a size; pass a number of bytes or a string such as "
             "'40MB', '500MiB' or '2GiB'."
         )
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+    return int(float(match.group(1)) * BYTE_UNITS[(match.group(2) or "").upper()])
 
 
 def format_bytes(count: float) -> str:
