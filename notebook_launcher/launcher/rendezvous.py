@@ -104,6 +104,11 @@ class Round:
     worker_store: RendezvousStore | None  # hosted by this kernel for this round
     secret: str | None = None  # every key the ranks use lives under it
 
+    def serve(self) -> None:
+        """Start this kernel's store for the round, if it hosts one not yet started."""
+        if self.worker_store is not None:
+            self.worker_store.serve()
+
     def close(self) -> None:
         if self.worker_store is not None:
             self.worker_store.close()
@@ -139,7 +144,8 @@ class LocalRendezvous(Rendezvous):
     def next_round(self, attempt: int) -> Round:
         listener = self._listener or bind_listener(self._master_addr, self._port)
         self._listener = None
-        store = RendezvousStore(listener, self._world_size, new_secret())
+        # Started by Round.serve() once the ranks are, in the time they take to start.
+        store = RendezvousStore(listener, self._world_size, new_secret(), serve_now=False)
         return Round(0, 1, self._master_addr, store.port, store, store.secret)
 
     def finish(self) -> None:

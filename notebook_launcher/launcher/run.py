@@ -161,6 +161,7 @@ def _run_attempt(
         )
         cleanup.callback(group.close)
         group.start(payload)
+        round_.serve()
         record = _register(launch_id, plan, [r.pid for r in group.ranks if r.pid is not None])
         cleanup.callback(record.close)
         return group.run(deadline=deadline, stop_requested=record.stop_requested)

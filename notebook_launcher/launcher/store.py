@@ -138,6 +138,10 @@ def store_on_socket(listener: socket.socket, world_size: int | None, timeout: ti
     """A TCPStore server listening on ``listener``, which it now owns (and closes)."""
     from torch.distributed import TCPStore
 
+    # Imported here, in the process that starts the ranks (torch is loaded by now): a rank
+    # forked from it finds the module loaded when its rendezvous seals the store.
+    from notebook_launcher.launcher import sealed_store  # noqa: F401
+
     host, port = listener.getsockname()[:2]
     fd = listener.detach()
 
@@ -171,13 +175,35 @@ class RendezvousStore:
     only keys under it.
     """
 
-    def __init__(self, listener: socket.socket, world_size: int, secret: str | None = None) -> None:
+    def __init__(
+        self,
+        listener: socket.socket,
+        world_size: int,
+        secret: str | None = None,
+        *,
+        serve_now: bool = True,
+    ) -> None:
         self.address, self.port = listener.getsockname()[:2]
         self.secret = secret or new_secret()
-        # The store owns and closes the socket.
-        self._store: Any = store_on_socket(listener, world_size, timedelta(seconds=300))
+        self._world_size = world_size
+        self._listener: socket.socket | None = listener
+        self._store: Any = None
+        if serve_now:
+            self.serve()
+
+    def serve(self) -> None:
+        """Start answering (once). Until then the listening socket queues the ranks'
+        connections, so a store started just after the ranks were forked costs them no
+        wait, and its server thread is never copied into a forked rank."""
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            # The store owns and closes the socket.
+            self._store = store_on_socket(listener, self._world_size, timedelta(seconds=300))
 
     def close(self) -> None:
+        if self._listener is not None:  # never served
+            self._listener.close()
+            self._listener = None
         self._store = None  # the server stops and frees its port when the store is released
 
 
