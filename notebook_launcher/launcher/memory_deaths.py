@@ -38,11 +38,35 @@ class CgroupWatch:
 
 def watch(pid: int, proc: str = "/proc", mountinfo: str = _MOUNTINFO) -> list[CgroupWatch]:
     """The memory cgroups of process ``pid`` (v1 and v2 may both count), counters read now."""
-    try:
-        lines = Path(f"{proc}/{pid}/cgroup").read_text().splitlines()
-    except OSError:
-        return []
-    mounts = _mounts(mountinfo)
+    return GroupWatch(proc, mountinfo).watch(pid)
+
+
+class GroupWatch:
+    """Watches for the ranks of one launch, each distinct cgroup read once.
+
+    Ranks started by one kernel are members of its cgroups: the mount table and the
+    counters are read for the first rank and the others, members of the same cgroups,
+    share its watch.
+    """
+
+    def __init__(self, proc: str = "/proc", mountinfo: str = _MOUNTINFO) -> None:
+        self._proc, self._mountinfo = proc, mountinfo
+        self._mounts: dict[int, tuple[str, str]] | None = None
+        self._by_membership: dict[str, list[CgroupWatch]] = {}
+
+    def watch(self, pid: int) -> list[CgroupWatch]:
+        try:
+            membership = Path(f"{self._proc}/{pid}/cgroup").read_text()
+        except OSError:
+            return []
+        if membership not in self._by_membership:
+            if self._mounts is None:
+                self._mounts = _mounts(self._mountinfo)
+            self._by_membership[membership] = _watches(membership.splitlines(), self._mounts)
+        return self._by_membership[membership]
+
+
+def _watches(lines: list[str], mounts: dict[int, tuple[str, str]]) -> list[CgroupWatch]:
     found = []
     for line in lines:
         parts = line.split(":", 2)
@@ -161,6 +185,8 @@ def _mounts(mountinfo: str) -> dict[int, tuple[str, str]]:
 
 
 def _unescape(field: str) -> str:
+    if "\\" not in field:
+        return field
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 

@@ -205,6 +205,7 @@ class RankGroup:
         self._term_deadline: float | None = None
         self._kill_deadline: float | None = None
         self._started: Started | None = None  # what the backend started for this group
+        self._memory_watch = memory_deaths.GroupWatch()
 
     # start ----------------------------------------------------------------------------
 
@@ -390,7 +391,7 @@ class RankGroup:
             if rank.control is not None:
                 rank.control.pid_reported(message.pid)
             rank.hello_at = time.monotonic()
-            rank.memory_watch = memory_deaths.watch(message.pid)
+            rank.memory_watch = self._memory_watch.watch(message.pid)
         elif isinstance(message, (Result, Failure)):
             rank.messages.append(message)
         elif isinstance(message, Progress):

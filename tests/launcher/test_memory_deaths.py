@@ -8,6 +8,7 @@ import contextlib
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -195,3 +196,17 @@ def test_a_sigkill_from_outside_is_still_worded_as_before():
     assert RankFailure(1, 42, -9).summary() == (
         "Rank 1 (pid 42) was killed by SIGKILL (killed: out of memory, or stopped from outside)"
     )
+
+
+def test_a_launchs_ranks_in_one_cgroup_share_one_reading_and_another_cgroup_gets_its_own(tmp_path):
+    proc, mountinfo, _ = _fake_machine(tmp_path, 2, str(300 * 10**6))
+    shutil.copytree(f"{proc}/42", f"{proc}/43")  # a second rank, member of the same cgroup
+    (pathlib.Path(proc) / "44").mkdir()
+    (pathlib.Path(proc) / "44" / "cgroup").write_text("0::/ns/job\n")  # one moved elsewhere
+    (tmp_path / "cg" / "job" / "memory.events").write_text("oom_kill 5\n")
+    group = memory_deaths.GroupWatch(proc, mountinfo)
+    first = group.watch(42)
+    pathlib.Path(mountinfo).unlink()  # read once: the second rank of the same cgroup needs it not
+    assert group.watch(43) is first
+    assert [(w.name, w.oom_kills) for w in group.watch(44)] == [("/ns/job", 5)]
+    assert group.watch(45) == []  # gone before it was asked
