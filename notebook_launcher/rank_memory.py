@@ -34,21 +34,24 @@ class MemoryReading:
         return dataclasses.asdict(self)
 
 
-def _status_bytes(field: str) -> int | None:
-    """``VmHWM`` / ``VmRSS`` of /proc/self/status in bytes (Linux); None elsewhere."""
+def _status_bytes(*fields: str) -> list[int | None]:
+    """``VmHWM`` / ``VmRSS`` ... of /proc/self/status in bytes, in one reading of the file
+    (Linux: the kernel computes every field at each read); None for each elsewhere."""
+    wanted = {field.encode(): field for field in fields}
+    found: dict[str, int] = {}
     try:
-        with open(_STATUS, encoding="ascii") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
+        with open(_STATUS, "rb") as status:
+            for line in status.read().split(b"\n"):
+                name, _, value = line.partition(b":")
+                if name in wanted:
+                    found[wanted[name]] = int(value.split()[0]) * 1024
     except (OSError, ValueError, IndexError):
-        return None
-    return None
+        return [None] * len(fields)
+    return [found.get(field) for field in fields]
 
 
 def _rss_reading() -> MemoryReading:
-    peak = _status_bytes("VmHWM")
-    current = _status_bytes("VmRSS")
+    peak, current = _status_bytes("VmHWM", "VmRSS")
     if peak is None:  # not Linux: the kernel's own peak (bytes on macOS, KiB elsewhere)
         maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         peak = maxrss if sys.platform == "darwin" else maxrss * 1024
@@ -77,7 +80,7 @@ def read() -> MemoryReading:
             int(torch.cuda.max_memory_allocated(index)),
             int(torch.cuda.memory_allocated(index)),
             f"cuda:{index}",
-            _status_bytes("VmRSS"),
+            _status_bytes("VmRSS")[0],
         )
     return _rss_reading()
 
