@@ -1,6 +1,8 @@
 """The weight fetcher: brings a block's offloaded weights to the device that runs it, one
-block ahead, on a side thread (and on a GPU through a side CUDA stream, from pinned memory,
-without blocking), into a small pool of reused read buffers.
+block ahead, on a side thread. For a GPU, disk blocks are read into a small pool of reused
+pinned buffers and copied through a side CUDA stream without blocking; for the CPU, a disk
+block is a private memory map of its file whose pages the side thread enters into the page
+table, so the block computes straight from the page cache, with no copy.
 
 It owns the thread, the streams, the buffers and the offload folder's descriptors, and
 holds nothing of the model itself, so that collecting the model can close it.
@@ -66,6 +68,9 @@ class WeightFetcher:
         self._streams: dict[torch.device, Any] = {}
         self._free: list[tuple[torch.Tensor, Any]] = []  # (byte buffer, event of its last copy)
         self._closed = False
+        # Map disk blocks run on the CPU instead of reading them (False: read into the pool
+        # of reused buffers, as for a GPU, which reads into pinned memory).
+        self.map_disk = True
 
     # what the hook layer calls ------------------------------------------------------------
 
@@ -142,7 +147,11 @@ class WeightFetcher:
             return used[-1]
 
         tensors: dict[str, torch.Tensor] = {}
-        if needs.disk and self.disk is not None:
+        if needs.disk and self.disk is not None and self.map_disk and not pin:
+            # Run on the CPU, a block's weights are views of its file mapped afresh: no copy
+            # of the bytes, and no buffer that a later block could overwrite under an output.
+            tensors.update(self.disk.map(needs.disk))
+        elif needs.disk and self.disk is not None:
             tensors.update(self.disk.read(needs.disk, pin=pin, buffer_for=buffer_for))
         for name in needs.cpu:
             tensors[name] = self.cpu[name]
