@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from notebook_launcher.big_modeling.disk_store import DiskStore
+from notebook_launcher.errors import OffloadFolderError
 
 THREAD_PREFIX = "big-model-prefetch"
 _cuda: Any = torch.cuda  # its Stream and Event are untyped
@@ -170,8 +171,13 @@ class WeightFetcher:
         if mapped and self.disk is not None:
             # Run on the CPU, a block's weights are views of its file mapped afresh: no copy
             # of the bytes, and no buffer that a later block could overwrite under an output.
-            tensors.update(self.disk.map(needs.disk))
-        elif needs.disk and self.disk is not None:
+            try:
+                tensors.update(self.disk.map(needs.disk))
+            except OffloadFolderError:
+                raise
+            except OSError:  # a file system that cannot map files: they are read instead
+                self.map_disk = mapped = False
+        if needs.disk and self.disk is not None and not mapped:
             tensors.update(self.disk.read(needs.disk, pin=pin, buffer_for=buffer_for))
         for name in needs.cpu:
             tensors[name] = self.cpu[name]

@@ -641,6 +641,26 @@ def test_disk_blocks_bound_for_a_gpu_are_read_ahead_into_reused_buffers(referenc
     assert sum(last) <= len(last) // 4, allocated
 
 
+def test_an_offload_folder_that_cannot_be_mapped_is_read_instead(reference, tmp_path, monkeypatch):
+    """Some file systems (FUSE mounts, some network ones) refuse mmap; none is mounted here."""
+    from notebook_launcher.big_modeling import disk_store
+    from notebook_launcher.big_modeling.hooks import attached
+
+    def refuse(*args, **kwargs):
+        raise OSError(19, "No such device")  # what mmap gives on a file system without it
+
+    model = empty_model()
+    bm.load_checkpoint_and_dispatch(
+        model, reference["root"] / "sharded", device_map=CPU_AND_DISK, offload_folder=tmp_path
+    )
+    monkeypatch.setattr(disk_store.mmap, "mmap", refuse)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(IDS), reference["expected"])
+    assert attached(model).fetcher.map_disk is False
+    bm.remove_hooks(model)
+
+
 @pytest.mark.parametrize("map_disk", [True, False])
 def test_an_offload_file_cut_short_after_loading_is_named_with_what_to_do(
     reference, tmp_path, map_disk
