@@ -36,7 +36,7 @@ class Needs:
 
     @property
     def ahead(self) -> bool:
-        """Worth a side thread: a read from disk, or a copy to a GPU."""
+        """Worth a side thread: a map (or read) from disk, or a copy to a GPU."""
         return bool(self.disk) or self.device.type == "cuda"
 
 
