@@ -4,7 +4,9 @@ the load that wrote them fails."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
 import re
 import threading
@@ -57,6 +59,22 @@ def check_writable(folder: str | os.PathLike[str] | None, needed_by: str) -> tup
             "folder this process may create files in, on a disk with room for the offloaded weights."
         ) from e
     return path, made
+
+
+_MADV_POPULATE_READ = 22  # Linux 5.14; mmap has no name for it before Python 3.13
+_can_populate = True
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def _populate(address: int, length: int) -> None:
+    """Enter a mapped range's pages into the page table. Through ctypes, which lets the GIL
+    go during the call (mmap.madvise holds it), so the model's own thread runs meanwhile."""
+    global _can_populate
+    if _can_populate and _libc.madvise(address, length, _MADV_POPULATE_READ) == 0:
+        return
+    _can_populate = False  # an older kernel: ask for read-ahead only
+    _libc.madvise(address, length, mmap.MADV_WILLNEED)
 
 
 class DiskStore:
@@ -178,13 +196,8 @@ class DiskStore:
         ``buffer_for(nbytes)`` may hand out a reused byte buffer to read into: fresh memory
         costs a page fault per page, every time.
         """
-        by_file: dict[str, list[str]] = {}
-        for name in names:
-            by_file.setdefault(self.placed[name].file, []).append(name)
         out: dict[str, torch.Tensor] = {}
-        for file, wanted in by_file.items():
-            start = min(self.placed[n].offset for n in wanted)
-            end = max(self.placed[n].offset + self.placed[n].nbytes for n in wanted)
+        for file, wanted, start, end in self._spans(names):
             if buffer_for is not None:
                 buffer = buffer_for(end - start)[: end - start]
             else:
@@ -195,20 +208,75 @@ class DiskStore:
             while got < len(view):
                 count = os.preadv(fd, [view[got:]], start + got)
                 if count <= 0:
-                    raise OffloadFolderError(
-                        f"offload file {os.fspath(self.folder / file)!r} is shorter than expected; "
-                        "it was changed or removed while the model used it. Load the model again."
-                    )
+                    raise self._shorter(file)
                 got += count
-            for name in wanted:
-                place = self.placed[name]
-                piece = buffer[place.offset - start : place.offset - start + place.nbytes]
-                out[name] = (
-                    piece.view(place.dtype).view(place.shape)
-                    if place.nbytes
-                    else torch.empty(place.shape, dtype=place.dtype)
-                )
+            out.update(self._views(buffer, start, wanted))
         return out
+
+    def map(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The tensors ``names`` as views of a private memory map of their file: no copy.
+
+        Each call maps afresh, and the map is undone when the last view of it is let go, so
+        a view an output keeps stays valid and is never overwritten. The file's pages are
+        entered into the page table here (the side thread), so that the block using them
+        does not stop at each page.
+        """
+        out: dict[str, torch.Tensor] = {}
+        for file, wanted, start, end in self._spans(names):
+            start -= start % mmap.ALLOCATIONGRANULARITY  # where a map may begin
+            if end == start:
+                out.update(self._views(torch.empty(0, dtype=torch.uint8), start, wanted))
+                continue
+            fd = self._fd(file, write=False)
+            if os.fstat(fd).st_size < end:  # reading past its end would kill the process
+                raise self._shorter(file)
+            # Private and writable: an in-place write to a weight copies its page, and never
+            # reaches the file or the next forward.
+            mapped = mmap.mmap(
+                fd,
+                end - start,
+                flags=mmap.MAP_PRIVATE,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                offset=start,
+            )
+            whole = torch.frombuffer(mapped, dtype=torch.uint8)  # keeps the map alive
+            _populate(whole.data_ptr(), end - start)
+            out.update(self._views(whole, start, wanted))
+        return out
+
+    def _spans(self, names: list[str]) -> list[tuple[str, list[str], int, int]]:
+        """(file, the names in it, first byte, end) for each file holding some of ``names``."""
+        by_file: dict[str, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.placed[name].file, []).append(name)
+        return [
+            (
+                file,
+                wanted,
+                min(self.placed[n].offset for n in wanted),
+                max(self.placed[n].offset + self.placed[n].nbytes for n in wanted),
+            )
+            for file, wanted in by_file.items()
+        ]
+
+    def _views(self, data: torch.Tensor, start: int, wanted: list[str]) -> dict[str, torch.Tensor]:
+        """Each tensor of ``wanted`` as a view of ``data``, the file's bytes from ``start``."""
+        out: dict[str, torch.Tensor] = {}
+        for name in wanted:
+            place = self.placed[name]
+            piece = data[place.offset - start : place.offset - start + place.nbytes]
+            out[name] = (
+                piece.view(place.dtype).view(place.shape)
+                if place.nbytes
+                else torch.empty(place.shape, dtype=place.dtype)
+            )
+        return out
+
+    def _shorter(self, file: str) -> OffloadFolderError:
+        return OffloadFolderError(
+            f"offload file {os.fspath(self.folder / file)!r} is shorter than expected; "
+            "it was changed or removed while the model used it. Load the model again."
+        )
 
     def close(self) -> None:
         with self._lock:

@@ -1,6 +1,8 @@
 """The weight fetcher: brings a block's offloaded weights to the device that runs it, one
-block ahead, on a side thread (and on a GPU through a side CUDA stream, from pinned memory,
-without blocking), into a small pool of reused read buffers.
+block ahead, on a side thread. For a GPU, disk blocks are read into a small pool of reused
+pinned buffers and copied through a side CUDA stream without blocking; for the CPU, a disk
+block is a private memory map of its file whose pages the side thread enters into the page
+table, so the block computes straight from the page cache, with no copy.
 
 It owns the thread, the streams, the buffers and the offload folder's descriptors, and
 holds nothing of the model itself, so that collecting the model can close it.
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 
 from notebook_launcher.big_modeling.disk_store import DiskStore
+from notebook_launcher.errors import OffloadFolderError
 
 THREAD_PREFIX = "big-model-prefetch"
 _cuda: Any = torch.cuda  # its Stream and Event are untyped
@@ -33,7 +36,7 @@ class Needs:
 
     @property
     def ahead(self) -> bool:
-        """Worth a side thread: a read from disk, or a copy to a GPU."""
+        """Worth a side thread: a map (or read) from disk, or a copy to a GPU."""
         return bool(self.disk) or self.device.type == "cuda"
 
 
@@ -42,6 +45,7 @@ class Fetched:
     tensors: dict[str, torch.Tensor]
     event: Any = None  # a CUDA event the copies recorded, waited on before use
     buffers: list[torch.Tensor] = field(default_factory=list)  # read buffers, maybe reused
+    mapped: bool = False  # some tensors view maps of the offload files
 
 
 def _sole_owner(buffer: torch.Tensor) -> bool:
@@ -61,11 +65,18 @@ class WeightFetcher:
         self.cpu = cpu
         self.disk = disk
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: tuple[int, Future[Fetched]] | None = None
+        # (block, its fetch, the maps that fetch lets go first)
+        self._pending: tuple[int, Future[Fetched], dict[str, torch.Tensor] | None] | None = None
         self._lock = threading.Lock()
         self._streams: dict[torch.device, Any] = {}
         self._free: list[tuple[torch.Tensor, Any]] = []  # (byte buffer, event of its last copy)
+        # The last block's mapped weights, let go by the side thread before its next fetch:
+        # undoing a map costs about as much as making it. Never more than one block.
+        self._unmapping: dict[str, torch.Tensor] | None = None
         self._closed = False
+        # Map disk blocks run on the CPU instead of reading them (False: read into the pool
+        # of reused buffers, as for a GPU, which reads into pinned memory).
+        self.map_disk = True
 
     # what the hook layer calls ------------------------------------------------------------
 
@@ -81,15 +92,23 @@ class WeightFetcher:
     def prefetch(self, key: int) -> None:
         if self._closed or not self.needs[key].ahead:
             return
-        self.drop_pending()
+        self.drop_pending(keep_unmapping=True)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_PREFIX)
-        self._pending = (key, self._pool.submit(self._fetch, key))
+        letting_go, self._unmapping = self._unmapping, None
+        self._pending = (key, self._pool.submit(self._fetch, key, letting_go), letting_go)
 
-    def drop_pending(self) -> None:
-        """Let the block fetched ahead go (a forward ended, failed, or went elsewhere)."""
+    def drop_pending(self, keep_unmapping: bool = False) -> None:
+        """Let the block fetched ahead go (a forward ended, failed, or went elsewhere), and
+        the maps of the last block run, unless the next fetch is about to."""
+        if not keep_unmapping:
+            self._unmapping = None
         pending, self._pending = self._pending, None
-        if pending is None or pending[1].cancel():
+        if pending is None:
+            return
+        if pending[1].cancel():
+            if pending[2] is not None:
+                pending[2].clear()  # the fetch that was to let these go will not run
             return
         try:
             fetched = pending[1].result()  # a read under way: one block, then its buffers return
@@ -103,7 +122,11 @@ class WeightFetcher:
     def release(self, fetched: Fetched) -> None:
         """The block ran: its read buffers go back to the pool, unless something still views
         them (an output that is a view of a weight, or an autograd graph), which keeps them."""
-        fetched.tensors.clear()
+        tensors, fetched.tensors = fetched.tensors, {}
+        if fetched.mapped and not self._closed:
+            self._unmapping = tensors  # the one before, if still there, is undone here
+        else:
+            tensors.clear()  # before asking whether anything else views the buffers
         buffers, fetched.buffers = fetched.buffers, []
         reusable = [b for b in buffers if _sole_owner(b)]
         if not reusable or self._closed:
@@ -132,7 +155,9 @@ class WeightFetcher:
 
     # the fetch itself ---------------------------------------------------------------------
 
-    def _fetch(self, key: int) -> Fetched:
+    def _fetch(self, key: int, letting_go: dict[str, torch.Tensor] | None = None) -> Fetched:
+        if letting_go is not None:
+            letting_go.clear()  # the last block's maps are undone here, off the model's thread
         needs = self.needs[key]
         pin = needs.device.type == "cuda"
         used: list[torch.Tensor] = []
@@ -142,13 +167,23 @@ class WeightFetcher:
             return used[-1]
 
         tensors: dict[str, torch.Tensor] = {}
-        if needs.disk and self.disk is not None:
+        mapped = bool(needs.disk) and self.disk is not None and self.map_disk and not pin
+        if mapped and self.disk is not None:
+            # Run on the CPU, a block's weights are views of its file mapped afresh: no copy
+            # of the bytes, and no buffer that a later block could overwrite under an output.
+            try:
+                tensors.update(self.disk.map(needs.disk))
+            except OffloadFolderError:
+                raise
+            except OSError:  # a file system that cannot map files: they are read instead
+                self.map_disk = mapped = False
+        if needs.disk and self.disk is not None and not mapped:
             tensors.update(self.disk.read(needs.disk, pin=pin, buffer_for=buffer_for))
         for name in needs.cpu:
             tensors[name] = self.cpu[name]
         tensors.update(needs.elsewhere)
         if needs.device.type != "cuda":
-            return Fetched({n: t.to(needs.device) for n, t in tensors.items()}, None, used)
+            return Fetched({n: t.to(needs.device) for n, t in tensors.items()}, None, used, mapped)
         stream = self._stream(needs.device)
         with torch.cuda.stream(stream):
             moved = {n: t.to(needs.device, non_blocking=True) for n, t in tensors.items()}

@@ -19,8 +19,10 @@ import torch
 
 from notebook_launcher.big_modeling.fetcher import Fetched, WeightFetcher
 from notebook_launcher.big_modeling.inventory import Slot
+from notebook_launcher.errors import BigModelError
 
 HOOKS_ATTRIBUTE = "_big_model_hooks"
+GUARD_ATTRIBUTE = "_big_model_meta_guard"
 
 
 @dataclass
@@ -236,3 +238,46 @@ def detach_hooks(model: torch.nn.Module) -> None:
     if hooks is not None:
         hooks.remove()
         del model.__dict__[HOOKS_ATTRIBUTE]
+    _unguard(model)
+
+
+def guard_meta(model: torch.nn.Module, slots: list[Slot]) -> None:
+    """Make a forward of ``model`` fail with a clear message while any of ``slots`` holds a
+    tensor on the meta device (torch's own error names neither the weight nor the cause).
+    The guard goes away by itself once they all hold data, or when the model is dispatched."""
+    if not slots:
+        return
+    _unguard(model)
+    own = model.__dict__.get("forward")
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        empty = [s.name for s in slots if (t := s.get()) is not None and t.device.type == "meta"]
+        if empty:
+            shown = ", ".join(repr(n) for n in empty[:3]) + (
+                f" and {len(empty) - 3} more" if len(empty) > 3 else ""
+            )
+            raise BigModelError(
+                f"{type(model).__name__} cannot run: {shown} {'is' if len(empty) == 1 else 'are'} "
+                "on the meta device (no data): remove_hooks(model) leaves the weights offloaded "
+                "to disk there. Load them again (load_checkpoint_in_model(model, checkpoint)), or "
+                "dispatch the model again; next time, remove_hooks(model, restore=True) reads "
+                "them back into CPU memory."
+            )
+        _unguard(model)
+        return inner(*args, **kwargs)
+
+    model.forward = forward
+    model.__dict__[GUARD_ATTRIBUTE] = (own,)
+
+
+def _unguard(model: torch.nn.Module) -> None:
+    guard = model.__dict__.pop(GUARD_ATTRIBUTE, None)
+    if guard is None:
+        return
+    own = guard[0]
+    if own is None:
+        model.__dict__.pop("forward", None)
+    else:
+        model.forward = own

@@ -62,6 +62,36 @@ def load_checkpoint_in_model(
         first = next(iter(model.parameters()), None)
         device = "cpu" if first is None or first.device.type == "meta" else str(first.device)
         device_map = {"": device}
+    placement = plan_and_load(
+        model,
+        checkpoint,
+        device_map,
+        offload_folder=offload_folder,
+        dtype=dtype,
+        offload_buffers=offload_buffers,
+        keep_in_fp32_modules=keep_in_fp32_modules,
+        strict=strict,
+    )
+    # Alone, a load leaves the weights kept for offload on the CPU, in the model (as
+    # accelerate's does); dispatch_model takes them from there without a copy.
+    hand_back_cpu_store(placement)
+    if placement.disk is not None:
+        placement.disk.close()
+
+
+def plan_and_load(
+    model: torch.nn.Module,
+    checkpoint: str | os.PathLike[str],
+    device_map: Mapping[str, Device],
+    *,
+    offload_folder: str | os.PathLike[str] | None,
+    dtype: str | torch.dtype | None,
+    offload_buffers: bool,
+    keep_in_fp32_modules: list[str] | None,
+    strict: bool,
+) -> Placement:
+    """The placement of ``model`` under ``device_map``, with ``checkpoint`` read into it:
+    the first half of a load, alone or followed by a dispatch."""
     placement = plan_placement(
         model,
         device_map,
@@ -71,11 +101,7 @@ def load_checkpoint_in_model(
         offload_folder=offload_folder,
     )
     load_into(placement, checkpoint, strict)
-    # Alone, a load leaves the weights kept for offload on the CPU, in the model (as
-    # accelerate's does); dispatch_model takes them from there without a copy.
-    hand_back_cpu_store(placement)
-    if placement.disk is not None:
-        placement.disk.close()
+    return placement
 
 
 def load_into(

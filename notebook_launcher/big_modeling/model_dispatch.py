@@ -20,9 +20,15 @@ from notebook_launcher.big_modeling.device_map import (
     pieces,
 )
 from notebook_launcher.big_modeling.fetcher import Needs, WeightFetcher
-from notebook_launcher.big_modeling.hooks import Block, attach_hooks, detach_hooks
-from notebook_launcher.big_modeling.inventory import current
-from notebook_launcher.big_modeling.loading import load_into
+from notebook_launcher.big_modeling.hooks import (
+    Block,
+    attach_hooks,
+    attached,
+    detach_hooks,
+    guard_meta,
+)
+from notebook_launcher.big_modeling.inventory import current, install, model_weights
+from notebook_launcher.big_modeling.loading import plan_and_load
 from notebook_launcher.big_modeling.placement import (
     Home,
     Placement,
@@ -31,7 +37,7 @@ from notebook_launcher.big_modeling.placement import (
     plan_placement,
     refuse_unfilled,
 )
-from notebook_launcher.big_modeling.sizes import Size, resolve_dtype
+from notebook_launcher.big_modeling.sizes import Size
 from notebook_launcher.errors import DeviceMapError
 
 _STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -179,10 +185,31 @@ def _attach(model: torch.nn.Module, placement: Placement, skip_keys: frozenset[s
     attach_hooks(model, placement.main, list(blocks.values()), fetcher, skip_keys)
 
 
-def remove_hooks(model: torch.nn.Module) -> None:
+def remove_hooks(model: torch.nn.Module, restore: bool = False) -> None:
     """Take the dispatch hooks off ``model``, end its prefetch thread and close its offload
-    files (collecting the model does the same)."""
+    files (collecting the model does the same).
+
+    Weights kept in CPU memory for offload go back into the model, on the CPU (as
+    accelerate's ``remove_hook_from_module`` gives ``cpu_offload``'s weights back); weights
+    on GPUs stay there. Weights offloaded to disk stay on the meta device (they may not fit
+    in memory: that is why they went to disk), and a forward then fails naming them, unless
+    ``restore=True`` reads them back into CPU memory first.
+    """
+    hooks = attached(model)
+    if hooks is None:
+        return
+    weights = model_weights(model)
+    fetcher = hooks.fetcher
+    empty = {n: w for n, w in weights.items() if current(w).device.type == "meta"}
+    for name, tensor in fetcher.cpu.items():
+        if name in empty:
+            install(empty.pop(name), tensor)
+    if restore and fetcher.disk is not None:
+        wanted = [n for n in empty if n in fetcher.disk.placed]
+        for name, tensor in fetcher.disk.read(wanted).items():  # fresh memory, not a map
+            install(empty.pop(name), tensor)
     detach_hooks(model)
+    guard_meta(model, [slot for weight in empty.values() for slot in weight.slots])
 
 
 def _execution_device(model: torch.nn.Module, execution_device: Device | None) -> str:
@@ -293,14 +320,15 @@ def load_checkpoint_and_dispatch(
         device_map = infer_auto_device_map(model, budgets, no_split_module_classes, dtype)
     elif device_map is None:
         device_map = {"": "cpu"}
-    placement = plan_placement(
+    placement = plan_and_load(
         model,
+        checkpoint,
         device_map,
-        offload_buffers=offload_buffers,
-        dtype=resolve_dtype(dtype),
-        keep_in_fp32_modules=keep_in_fp32_modules,
         offload_folder=offload_folder,
+        dtype=dtype,
+        offload_buffers=offload_buffers,
+        keep_in_fp32_modules=keep_in_fp32_modules,
+        strict=strict,
     )
-    load_into(placement, checkpoint, strict)
     _deliver_and_attach(model, placement, {}, skipped)
     return model

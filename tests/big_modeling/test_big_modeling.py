@@ -533,7 +533,73 @@ def test_peak_memory_stays_within_budget_plus_a_shard_and_blocks(tmp_path):
     assert result["added"] < budget + shard + 2 * block + 16e6, result
 
 
-def test_disk_blocks_are_read_ahead_on_the_side_thread_into_reused_buffers(reference, tmp_path):
+def _folder_maps(folder: Path) -> list[tuple[int, int]]:
+    """The address ranges of this process mapped from files in ``folder``."""
+    found = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip().startswith(str(folder)):
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                found.append((low, high))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
+def test_disk_blocks_run_on_the_cpu_from_their_file_mapped_ahead_on_the_side_thread(
+    reference, tmp_path
+):
+    from notebook_launcher.big_modeling.hooks import attached
+
+    model = empty_model()
+    bm.load_checkpoint_and_dispatch(
+        model, reference["root"] / "sharded", device_map=CPU_AND_DISK, offload_folder=tmp_path
+    )
+    store = attached(model).fetcher.disk
+    maps: list[tuple[str, tuple[str, ...]]] = []
+    mapped = store.map
+
+    def recording(names):
+        maps.append((threading.current_thread().name, tuple(names)))
+        return mapped(names)
+
+    store.map = recording
+    # While a block on disk computes, its weight lies in a map of the folder's files.
+    seen: list[tuple[bool, int]] = []
+
+    class Look(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.nn.functional.linear and args[1].shape == (64, 32):  # an "up"
+                address = args[1].data_ptr()
+                ranges = _folder_maps(tmp_path)
+                seen.append((any(low <= address < high for low, high in ranges), len(ranges)))
+            return func(*args, **(kwargs or {}))
+
+    per_forward = []
+    with torch.no_grad(), Look():
+        for _ in range(3):
+            start = len(maps)
+            assert torch.equal(model(IDS), reference["expected"])
+            per_forward.append(maps[start:])
+            # Between forwards nothing of the folder is mapped (its pages may stay cached).
+            assert _folder_maps(tmp_path) == []
+    # blocks.2 to blocks.5 are on disk, lent a piece at a time (norm, up, down: TinyLM names
+    # no block that must stay whole). Each forward maps its first piece ahead as it starts
+    # (while the blocks on the CPU compute), and every later one ahead of its turn, on the
+    # side thread; nothing is mapped ahead of the next forward.
+    for forward in per_forward:
+        assert len(forward) == 4 * 3
+        assert forward[0][1] == ("blocks.2.norm.weight", "blocks.2.norm.bias")
+        assert all(name.startswith("big-model-prefetch") for name, _ in forward)
+    # No copy: the block computes from the map. At most the block running and the one
+    # mapped ahead are mapped at once.
+    assert len(seen) == 3 * 6 and sum(inside for inside, _count in seen) == 3 * 4, seen
+    assert max(count for _inside, count in seen) <= 2, seen
+    assert attached(model).blocks_in_flight() == (0, 0)
+
+
+def test_disk_blocks_bound_for_a_gpu_are_read_ahead_into_reused_buffers(reference, tmp_path):
+    """The GPU's path (read into pinned buffers, reused), run here without the pinning."""
     from notebook_launcher.big_modeling.hooks import attached
 
     model = empty_model()
@@ -541,6 +607,7 @@ def test_disk_blocks_are_read_ahead_on_the_side_thread_into_reused_buffers(refer
         model, reference["root"] / "sharded", device_map=CPU_AND_DISK, offload_folder=tmp_path
     )
     fetcher = attached(model).fetcher
+    fetcher.map_disk = False
     store = fetcher.disk
     reads: list[tuple[str, tuple[str, ...]]] = []
     read = store.read
@@ -560,26 +627,60 @@ def test_disk_blocks_are_read_ahead_on_the_side_thread_into_reused_buffers(refer
         return buffer
 
     fetcher._buffer = counting
-    per_forward = []
     with torch.no_grad():
         for _ in range(4):
             start = len(reads)
             assert torch.equal(model(IDS), reference["expected"])
-            per_forward.append(reads[start:])
-    # blocks.2 to blocks.5 are on disk, lent a piece at a time (norm, up, down: TinyLM names
-    # no block that must stay whole). Each forward reads its first piece ahead as it starts
-    # (while the blocks on the CPU compute), and every later one ahead of its turn, on the
-    # side thread; nothing is read ahead of the next forward.
-    for forward in per_forward:
-        assert len(forward) == 4 * 3
-        assert forward[0][1] == ("blocks.2.norm.weight", "blocks.2.norm.bias")
-        assert all(name.startswith("big-model-prefetch") for name, _ in forward)
+            assert len(reads) - start == 4 * 3
+    assert all(name.startswith("big-model-prefetch") for name, _ in reads)
     assert attached(model).blocks_in_flight() == (0, 0)
     # Read buffers are reused: the last forwards allocate few. A buffer is reused only once
     # nothing views it, and on a busy machine the side thread may read the next block before
     # the main thread let go of the one it lent: then a fresh buffer is made.
     last = allocated[-2 * 4 * 3 :]
     assert sum(last) <= len(last) // 4, allocated
+
+
+def test_an_offload_folder_that_cannot_be_mapped_is_read_instead(reference, tmp_path, monkeypatch):
+    """Some file systems (FUSE mounts, some network ones) refuse mmap; none is mounted here."""
+    from notebook_launcher.big_modeling import disk_store
+    from notebook_launcher.big_modeling.hooks import attached
+
+    def refuse(*args, **kwargs):
+        raise OSError(19, "No such device")  # what mmap gives on a file system without it
+
+    model = empty_model()
+    bm.load_checkpoint_and_dispatch(
+        model, reference["root"] / "sharded", device_map=CPU_AND_DISK, offload_folder=tmp_path
+    )
+    monkeypatch.setattr(disk_store.mmap, "mmap", refuse)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(IDS), reference["expected"])
+    assert attached(model).fetcher.map_disk is False
+    bm.remove_hooks(model)
+
+
+@pytest.mark.parametrize("map_disk", [True, False])
+def test_an_offload_file_cut_short_after_loading_is_named_with_what_to_do(
+    reference, tmp_path, map_disk
+):
+    from notebook_launcher.big_modeling.hooks import attached
+
+    model = empty_model()
+    bm.load_checkpoint_and_dispatch(
+        model, reference["root"] / "sharded", device_map=CPU_AND_DISK, offload_folder=tmp_path
+    )
+    attached(model).fetcher.map_disk = map_disk
+    victim = sorted(tmp_path.glob("*blocks.3*.bin"))[0]
+    os.truncate(victim, victim.stat().st_size // 2)
+    with pytest.raises(
+        OffloadFolderError, match=r"blocks\.3.*is shorter than expected.*Load the model again"
+    ):
+        with torch.no_grad():
+            model(IDS)
+    assert attached(model).blocks_in_flight() == (0, 0)
+    bm.remove_hooks(model)
 
 
 def test_big_model_names_come_from_the_package_too():

@@ -17,6 +17,8 @@ from safetensors.torch import save_file
 from notebook_launcher import big_modeling as bm
 from tests.support.big_models import TinyLM
 
+IDS = torch.tensor([[1, 5, 7, 2, 9], [3, 3, 8, 0, 4]])
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "support" / "big_model_scripts"
 
@@ -179,3 +181,66 @@ def test_a_module_list_lighter_than_the_largest_piece_is_still_lent_block_by_blo
         bm.disk_offload(model, tmp_path)
     with torch.no_grad():
         assert torch.equal(model(ids), expected)
+
+
+def test_remove_hooks_gives_cpu_offloaded_weights_back_on_the_cpu():
+    torch.manual_seed(0)
+    model = TinyLM().eval()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        expected = model(IDS)
+    bm.cpu_offload(model, execution_device="cpu")
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    bm.remove_hooks(model)
+    for name, param in model.named_parameters():
+        assert param.device.type == "cpu" and torch.equal(param, before[name]), name
+    assert model.head.weight is model.embed.weight  # still tied
+    with torch.no_grad():
+        assert torch.equal(model(IDS), expected)
+
+
+def test_remove_hooks_leaves_disk_weights_on_meta_and_a_forward_names_them(tmp_path):
+    from notebook_launcher.errors import BigModelError
+
+    torch.manual_seed(0)
+    model = TinyLM().eval()
+    state = model.state_dict()
+    with torch.no_grad():
+        expected = model(IDS)
+    bm.disk_offload(model, tmp_path / "off")
+    bm.remove_hooks(model)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    with pytest.raises(
+        BigModelError,
+        match=r"TinyLM cannot run: 'embed\.weight', .* and \d+ more are on the meta device "
+        r"\(no data\): remove_hooks\(model\) leaves the weights offloaded to disk there\. "
+        r"Load them again .*remove_hooks\(model, restore=True\)",
+    ):
+        with torch.no_grad():
+            model(IDS)
+    # Loaded again, the model runs, and the guard is gone.
+    save_file({k: v for k, v in state.items() if k != "head.weight"}, tmp_path / "w.safetensors")
+    bm.load_checkpoint_in_model(model, tmp_path / "w.safetensors")
+    with torch.no_grad():
+        assert torch.equal(model(IDS), expected)
+    assert "forward" not in model.__dict__
+
+
+def test_remove_hooks_restore_reads_disk_weights_back_into_cpu_memory(tmp_path):
+    torch.manual_seed(0)
+    model = TinyLM().eval()
+    with torch.no_grad():
+        expected = model(IDS)
+    bm.disk_offload(model, tmp_path / "off")
+    with torch.no_grad():
+        assert torch.equal(model(IDS), expected)
+    bm.remove_hooks(model, restore=True)
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert model.head.weight is model.embed.weight
+    assert "forward" not in model.__dict__
+    # Weights of their own, not views of a file: the folder may go.
+    for path in (tmp_path / "off").iterdir():
+        path.unlink()
+    with torch.no_grad():
+        assert torch.equal(model(IDS), expected)
+        assert torch.equal(model(IDS), expected)
