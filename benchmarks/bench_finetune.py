@@ -157,19 +157,35 @@ def run_torchrun(steps: int, warmup: int) -> tuple[list[dict[str, Any]], list[in
 _anatomies: dict[str, list[Any]] = {}  # what our launches recorded, by way of launching
 
 
-def run_ours(core: str, steps: int, warmup: int) -> tuple[list[dict[str, Any]], list[int]]:
+def _refuse_setsid() -> None:
+    raise PermissionError("left in the launching process's session by the benchmark")
+
+
+def run_ours(
+    core: str, steps: int, warmup: int, kernel_session: bool = False
+) -> tuple[list[dict[str, Any]], list[int]]:
     from notebook_launcher import launches, notebook_launcher
 
-    results = notebook_launcher(
-        train,
-        args=(core, steps, warmup),
-        num_processes=2,
-        hardware="cpu",
-        output="none",
-        return_all=True,
-    )
+    setsid = os.setsid
+    if kernel_session:
+        # Forked ranks inherit the refusal and stay in this process's session, in a process
+        # group of their own: where launched ranks were before they led sessions.
+        os.setsid = _refuse_setsid
+    try:
+        results = notebook_launcher(
+            train,
+            args=(core, steps, warmup),
+            num_processes=2,
+            hardware="cpu",
+            output="none",
+            return_all=True,
+            start_method="fork",
+        )
+    finally:
+        os.setsid = setsid
     record = launches()[-1]
-    _anatomies.setdefault(core, []).append(
+    way = "kernel-session" if kernel_session else core
+    _anatomies.setdefault(way, []).append(
         ([rank["steps"] for rank in record["ranks"]], record.get("diagnosis"))
     )
     peaks = [rank["peak_memory"]["peak_bytes"] for rank in record["ranks"]]
@@ -220,6 +236,7 @@ WAYS = (
     ("accelerate", "torchrun + accelerate"),
     ("accelerate-in-launch", "notebook_launcher + accelerate's Accelerator"),
 )
+KERNEL_SESSION = ("kernel-session", "notebook_launcher + ours, ranks in the kernel's session")
 
 
 def main() -> None:
@@ -229,6 +246,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="first steps of each run left out")
     parser.add_argument(
         "--quick", action="store_true", help="2 rounds of 12 steps, LoRA only (a few minutes)"
+    )
+    parser.add_argument(
+        "--kernel-session",
+        action="store_true",
+        help="a fourth way: our launch with its ranks left in the launching process's session",
     )
     parser.add_argument("--worker", default=None)
     args = parser.parse_args()
@@ -243,18 +265,21 @@ def main() -> None:
     import transformers  # noqa: F401
 
     began_all = time.perf_counter()
-    rows: dict[str, list[Any]] = {name: [] for name, _ in WAYS}
+    ways = WAYS + ((KERNEL_SESSION,) if args.kernel_session else ())
+    rows: dict[str, list[Any]] = {name: [] for name, _ in ways}
     loads: list[float] = []
     names = list(rows)
     for round_index in range(args.rounds):
-        order = names[round_index % 3 :] + names[: round_index % 3]  # rotated every round
-        for name in order:
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:  # the order rotated every round
             began = time.perf_counter()
             if name == "accelerate":
                 results, peaks = run_torchrun(args.steps, args.warmup)
             else:
-                core = "ours" if name == "ours" else "accelerate"
-                results, peaks = run_ours(core, args.steps, args.warmup)
+                core = "accelerate" if name == "accelerate-in-launch" else "ours"
+                results, peaks = run_ours(
+                    core, args.steps, args.warmup, kernel_session=name == "kernel-session"
+                )
             rows[name].append((results, peaks, time.perf_counter() - began))
             loads.append(os.getloadavg()[0])
     same = all(
@@ -281,7 +306,7 @@ def main() -> None:
         )
 
     summary = {}
-    for name, label in WAYS:
+    for name, label in ways:
         step, thread, queued, cpu = (
             median_of(name, key) for key in ("step_s", "thread_cpu_s", "run_queue_s", "cpu_s")
         )
@@ -310,15 +335,20 @@ def main() -> None:
         f"| {' / '.join(ratio(a, b) for a, b in zip(ours[5], theirs[5]))} "
         f"| {' / '.join(ratio(a, b) for a, b in zip(ours[6], theirs[6]))} | {ratio(ours[7], theirs[7])} |"
     )
-    for key, label in (("step_s", "step"), ("cpu_s", "rank CPU a step")):
-        per_round = [
-            statistics.median(r[key] for r in mine[0]) / statistics.median(r[key] for r in peer[0])
-            for mine, peer in zip(rows["ours"], rows["accelerate"])
-        ]
-        print(
-            f"Ratio ours / torchrun of the {label} in each round: "
-            + ", ".join(f"{value:.2f}" for value in per_round)
-        )
+    pairs = [("ours", "accelerate", "ours / torchrun")]
+    if args.kernel_session:
+        pairs.append(("kernel-session", "ours", "ranks in the kernel's session / in their own"))
+    for mine_name, peer_name, pair in pairs:
+        for key, label in (("step_s", "step"), ("cpu_s", "rank CPU a step")):
+            per_round = [
+                statistics.median(r[key] for r in mine[0])
+                / statistics.median(r[key] for r in peer[0])
+                for mine, peer in zip(rows[mine_name], rows[peer_name])
+            ]
+            print(
+                f"Ratio {pair} of the {label} in each round: "
+                + ", ".join(f"{value:.2f}" for value in per_round)
+            )
     print()
     print("The step anatomy of our last launch (launches()[-1]['ranks'][i]['steps'], medians):")
     steps_seen, diagnosis = _anatomies["ours"][-1]
