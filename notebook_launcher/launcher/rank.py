@@ -266,10 +266,18 @@ def _forward_progress(rank: int, n: int, total: int | None, description: str) ->
 
 
 def _detach_from_kernel() -> None:
-    # An own process group lets the launcher stop the rank with everything it started
-    # (data loader workers) in one signal, and keeps the kernel's interrupt off the rank.
-    with contextlib.suppress(OSError):
-        os.setpgid(0, 0)
+    # A session of its own, as torchrun gives each of its workers. Where the CPU scheduler
+    # shares time out by session (Linux's autogroups, on by default outside CPU cgroups),
+    # ranks left in the kernel's session shared one session's share among them: on a busy
+    # 2-core machine a LoRA step took 1.5-1.9x as long as in the same launch with a session
+    # per rank, at the same CPU time a step (benchmarks/bench_finetune.py). The session's
+    # new process group lets the launcher stop the rank with everything it started (data
+    # loader workers) in one signal, and keeps the kernel's interrupt off the rank.
+    try:
+        os.setsid()
+    except OSError:  # leads a group already (the second rank thread of a TPU v2/v3 process)
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -321,6 +321,27 @@ def test_rerunning_right_after_a_failure_works_every_time(leak_check):
         assert notebook_launcher(all_reduce_ranks, (1,), num_processes=2) == (0, 2, 3.0)
 
 
+def session_of_rank():
+    autogroup = None
+    if os.path.exists("/proc/self/autogroup"):
+        with open("/proc/self/autogroup") as file:
+            autogroup = file.read().split()[0]
+    return os.getpid(), os.getsid(0), os.getpgid(0), autogroup
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_each_rank_leads_a_session_of_its_own_as_torchruns_workers_do(method, leak_check):
+    # Where the CPU scheduler shares time by session (Linux's autogroups), ranks in the
+    # kernel's session shared one share between them when the machine was busy.
+    seen = notebook_launcher(session_of_rank, num_processes=2, start_method=method, return_all=True)
+    for pid, session, group, _ in seen:
+        assert session == group == pid
+    if seen[0][3] is not None:
+        with open("/proc/self/autogroup") as file:
+            ours = file.read().split()[0]
+        assert len({ours, seen[0][3], seen[1][3]}) == 3
+
+
 def start_a_grandchild():
     import subprocess
 

@@ -49,9 +49,10 @@ class ProcessControl(RankControl):
 
     def __init__(self, process: Any) -> None:
         self._process = process
+        # The rank's group is left to the rank: it starts a session of its own, which a
+        # process made a group leader from here could not. Until it has, signal() falls
+        # back to the rank alone, which has started nothing yet.
         self.pid = process.pid
-        with contextlib.suppress(OSError):  # races the rank's own setpgid; either wins
-            os.setpgid(process.pid, process.pid)
 
     @property
     def sentinel(self) -> int | None:
