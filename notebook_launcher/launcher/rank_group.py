@@ -29,7 +29,7 @@ import cloudpickle
 
 from notebook_launcher import descendants
 from notebook_launcher.errors import LaunchCleanupWarning, LaunchError, RankFailure
-from notebook_launcher.launcher import memory_deaths
+from notebook_launcher.launcher import memory_deaths, whereabouts
 from notebook_launcher.launcher.backends.base import (
     Backend,
     Ended,
@@ -39,7 +39,15 @@ from notebook_launcher.launcher.backends.base import (
     Started,
     start_ranks,
 )
-from notebook_launcher.launcher.channel import Failure, Hello, Memory, Progress, Result, Steps
+from notebook_launcher.launcher.channel import (
+    Failure,
+    Hello,
+    Memory,
+    Progress,
+    Result,
+    Steps,
+    Whereabouts,
+)
 from notebook_launcher.launcher.events import (
     LaunchEvent,
     OutputLine,
@@ -49,6 +57,7 @@ from notebook_launcher.launcher.events import (
     RankProgress,
     RankStarted,
     RankSteps,
+    RankWhere,
 )
 from notebook_launcher.launcher.lines import LineSplitter
 from notebook_launcher.launcher.metric_batch import MetricBatch
@@ -88,6 +97,7 @@ class Rank:
         self.finished_sent = False
         self.stop_sent = False
         self.commands: Connection | None = None
+        self.asks: int | None = None  # the kernel's end of the pipe that asks where it is
         # For naming a death by the OOM killer: the rank's memory cgroups with their kill
         # counters when it said hello, and its resident memory last reported.
         self.memory_watch: list[memory_deaths.CgroupWatch] = []
@@ -103,17 +113,22 @@ class Rank:
                 os.set_blocking(read_end, False)
             self.channel, channel_w = multiprocessing.Pipe(duplex=False)
             made += [self.channel, channel_w]
-            commands_r = None
+            commands_r = asks_r = None
             if with_commands:
                 commands_r, self.commands = multiprocessing.Pipe(duplex=False)
+            else:  # a session's ranks are asked by their own signal watch
+                asks_fd, self.asks = os.pipe()
+                asks_r = Connection(asks_fd, writable=False)
+                made.append(asks_r)
+                os.set_blocking(self.asks, False)
         except BaseException:
             for connection in made:
                 connection.close()
-            for fd in readers:
+            for fd in readers + ([self.asks] if self.asks is not None else []):
                 os.close(fd)
             raise
         self.streams = dict(zip(readers, ("stdout", "stderr")))
-        self.ends = RankEnds(made[0], made[1], channel_w, commands_r)
+        self.ends = RankEnds(made[0], made[1], channel_w, commands_r, asks_r)
 
     @property
     def pid(self) -> int | None:
@@ -151,6 +166,9 @@ class Rank:
         for connection in (self.channel, self.commands):
             if connection is not None and not connection.closed:
                 connection.close()
+        if self.asks is not None:
+            os.close(self.asks)
+            self.asks = None
         if self.control is not None and self.ended is not None:
             self.control.release()
 
@@ -166,6 +184,9 @@ class Outcome:
     finished_at: dict[int, float] = dataclasses.field(default_factory=dict)  # rank -> time.time()
     timed_out_ranks: list[int] = dataclasses.field(default_factory=list)
     stopped_from_outside: bool = False
+    # Where each rank still running was when the group ended it from outside (a timeout, a
+    # stop): rank -> "was in cell 5, line 3 (in train), in all_reduce ..." (see whereabouts).
+    where: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 MessageHandler = Callable[[Rank, Any], None]
@@ -205,6 +226,7 @@ class RankGroup:
         self._term_deadline: float | None = None
         self._kill_deadline: float | None = None
         self._started: Started | None = None  # what the backend started for this group
+        self._asker = whereabouts.Asker()  # where the ranks were when ended from outside
 
     # start ----------------------------------------------------------------------------
 
@@ -252,7 +274,7 @@ class RankGroup:
             self.watch(self._next_timeout())
         return self.outcome
 
-    def watch(self, timeout: float = 0.0) -> None:
+    def watch(self, timeout: float = 0.0, limits: bool = True) -> None:
         """One pass of the multiplexer: read what is there, notice ends, apply limits."""
         assert self._selector is not None, "start() first"
         for key, _ in self._selector.select(timeout):
@@ -279,7 +301,8 @@ class RankGroup:
                 ended = rank.control.poll()
                 if ended is not None:
                     self._on_end(rank, ended)
-        self._check_limits()
+        if limits:
+            self._check_limits()
 
     def flush_partial_lines(self) -> None:
         """Read what the ranks wrote so far, then emit their unfinished lines as lines.
@@ -314,6 +337,7 @@ class RankGroup:
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
         """Ask every running rank to end; SIGKILL follows after the grace period."""
+        self._say_where()
         for rank in self.ranks:
             rank.request_stop(signum)
         if self._kill_at is None:
@@ -336,7 +360,7 @@ class RankGroup:
     def _next_timeout(self) -> float:
         timeout = self.plan.monitor_interval
         now = time.monotonic()
-        for moment in (self._deadline, self._kill_at):
+        for moment in (self._deadline, self._kill_at, self._asker.deadline):
             if moment is not None:
                 timeout = min(timeout, max(0.0, moment - now))
         return timeout
@@ -411,6 +435,8 @@ class RankGroup:
             )
         elif isinstance(message, Steps):
             self._emit(RankSteps(rank.rank, message.summary))
+        elif isinstance(message, Whereabouts):
+            self._asker.answered(rank.rank, message)
         elif self._on_message is not None:
             self._on_message(rank, message)
 
@@ -502,12 +528,33 @@ class RankGroup:
                 for rank in self.ranks:
                     rank.request_stop(signal.SIGKILL)
             return
-        if self._deadline is not None and now >= self._deadline:
+        if self._asker.asking:  # ended from outside: the ranks are told to end once they said
+            if not self._asker.waiting_for({r.rank for r in self.ranks if r.alive}):
+                self.stop()
+        elif self._deadline is not None and now >= self._deadline:
             self.outcome.timed_out_ranks = [r.rank for r in self.ranks if r.alive]
-            self.stop()
+            if not self._ask_where():
+                self.stop()
         elif self._stop_requested():
             self.outcome.stopped_from_outside = True
-            self.stop()
+            if not self._ask_where():
+                self.stop()
+
+    def _ask_where(self) -> bool:
+        """Ask every rank still running where it is, before ending it (see whereabouts);
+        whether there is an answer to wait for."""
+        askable = {r.rank: r.asks for r in self.ranks if r.alive and not r.stop_sent}
+        if any(fd is not None for fd in askable.values()) and not self._asker.asking:
+            self._asker.ask(askable)
+        return self._asker.waiting_for(set(askable))
+
+    def _say_where(self) -> None:
+        """Keep and tell what the asked ranks said, once, before they are ended."""
+        if self._asker.asking and not self.outcome.where:
+            self.outcome.where = self._asker.lines()
+            for rank, text in sorted(self.outcome.where.items()):
+                with contextlib.suppress(Exception):  # an observer's bug must not stop the stop
+                    self._emit(RankWhere(rank, text))
 
     # close ----------------------------------------------------------------------------
 
@@ -534,6 +581,13 @@ class RankGroup:
     def _teardown(self, hurry: bool) -> None:
         if self._closed:
             return
+        if not hurry and self._term_deadline is None and self._selector is not None:
+            # Ended by an interrupt (the stop button): the ranks say where they were first.
+            with contextlib.suppress(Exception):  # an observer's bug must not stop cleanup
+                self._ask_where()
+                while self._asker.waiting_for({r.rank for r in self.ranks if r.alive}):
+                    self.watch(max(0.0, (self._asker.deadline or 0.0) - time.monotonic()), False)
+        self._say_where()
         if not hurry:
             if self._term_deadline is None:
                 self._term_deadline = time.monotonic() + self._grace_s
