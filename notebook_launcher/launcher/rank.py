@@ -39,6 +39,7 @@ from notebook_launcher.launcher.channel import (
     Steps,
 )
 from notebook_launcher.launcher.metric_batch import numbers_of, step_of
+from notebook_launcher.launcher.signal_wake import SignalWake
 from notebook_launcher.launcher.store import SECRET_ENV, protect_env_rendezvous
 from notebook_launcher.launcher.whereabouts import Answerer
 from notebook_launcher.tracking import (
@@ -119,7 +120,7 @@ def run_rank(
     # The store's keys are the launch's alone; not inherited by what the function starts.
     protect_env_rendezvous(os.environ.pop(SECRET_ENV, None))
     memory = _MemoryReporter()
-    answerer = Answerer(ends.asks.fileno(), send) if ends.asks is not None else None
+    answerer = Answerer(ends.asks.fileno(), send, _signal_wake()) if ends.asks is not None else None
     exit_code: int | str | None = None
     try:
         function, args, kwargs = (
@@ -283,6 +284,17 @@ def _detach_from_kernel() -> None:
     # Else a worker thread of torch_xla's: its supervisor set both before forking it.
     _forget_inherited_forkserver()
     _die_with_parent()
+
+
+def _signal_wake() -> SignalWake | None:
+    """The function's signal handlers run while its main thread sleeps (see signal_wake);
+    only a rank's main thread can install it (not a thread of torch_xla's)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        return SignalWake()
+    except (OSError, ValueError):
+        return None
 
 
 def _close_inherited_descriptors(ends: RankEnds) -> None:

@@ -15,11 +15,13 @@ from __future__ import annotations
 import _thread
 import contextlib
 import os
+import select
 import time
 from typing import Callable
 
 from notebook_launcher import cell_names
 from notebook_launcher.launcher.channel import Whereabouts
+from notebook_launcher.launcher.signal_wake import RETRY_S, SignalWake
 from notebook_launcher.stack_location import (
     describe,
     locate,
@@ -37,23 +39,42 @@ NO_ANSWER = "did not say where it was"
 
 
 class Answerer:
-    """In a launched rank: the side thread that says where the thread running the function is."""
+    """In a launched rank: the side thread that says where the thread running the function
+    is, and wakes that thread for its signal handlers (``signal_wake``)."""
 
-    def __init__(self, asks_fd: int, send: Callable[[Whereabouts], None]) -> None:
+    def __init__(
+        self, asks_fd: int, send: Callable[[Whereabouts], None], wake: SignalWake | None
+    ) -> None:
         self.phase = "starting"
         self._thread = _thread.get_ident()  # the thread that runs the function
         self._send = send
+        self._wake = wake
         # Nothing waits for the thread to start (on a busy machine that costs milliseconds).
         _thread.start_new_thread(self._serve, (asks_fd,))
 
     def _serve(self, asks_fd: int) -> None:
-        while True:
+        wake = self._wake
+        watched = [asks_fd] if wake is None else [asks_fd, wake.fd]
+        while watched:
+            waiting = wake is not None and wake.waiting
+            try:
+                readable, _, _ = select.select(watched, [], [], RETRY_S if waiting else None)
+            except (OSError, ValueError):
+                return
+            if wake is not None:
+                if wake.fd in readable:
+                    wake.readable()
+                elif waiting:
+                    wake.tick()
+            if asks_fd not in readable:
+                continue
             try:
                 asked = os.read(asks_fd, 64)
             except OSError:
-                return
-            if not asked:
-                return  # the kernel closed its end: nobody will ask again
+                asked = b""
+            if not asked:  # the kernel closed its end: nobody will ask again
+                watched.remove(asks_fd)
+                continue
             with contextlib.suppress(Exception):  # a look must never harm the rank
                 frame = main_thread_frame(self._thread)
                 location = None if frame is None else locate(frame, outside_libraries)
