@@ -6,9 +6,7 @@ in the rank watches it), so nothing here waits for a duration."""
 
 from __future__ import annotations
 
-import ast
 import os
-import pathlib
 import re
 import signal
 import threading
@@ -20,9 +18,6 @@ from notebook_launcher import LaunchTimeoutError, notebook_launcher
 from notebook_launcher.launcher import whereabouts
 from notebook_launcher.launcher.events import OutputLine
 from tests.conftest import run_script
-from tests.support.kernel_driver import RunningKernel, wait_for_output
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
 
 # A rank says "at <what>" once its main thread's innermost frame passes ``check``.
 SAY_WHEN = """
@@ -59,84 +54,6 @@ def _line_of(text: str, source: str = HANG) -> int:
 
 
 assert _line_of("time.sleep(600)") == SLEEP_LINE and _line_of("all_reduce(torch") == ALL_REDUCE_LINE
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    running = RunningKernel()
-    try:
-        setup = running.run(
-            f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
-            "from notebook_launcher import notebook_launcher, launches\n" + SAY_WHEN
-        )
-        assert setup.error is None, setup.error
-        yield running
-    finally:
-        running.shutdown()
-
-
-def _define(kernel: RunningKernel, source: str) -> int:
-    """Run ``source`` as a cell of its own; the cell's number as the notebook shows it."""
-    cell = kernel.run(source)
-    assert cell.error is None, cell.error
-    return next(
-        m["content"]["execution_count"] for m in cell.messages if m["msg_type"] == "execute_input"
-    )
-
-
-@pytest.mark.kernel
-@pytest.mark.timeout(600)
-def test_a_timeout_names_each_ranks_cell_line_and_function_in_the_error_and_the_record(kernel):
-    number = _define(kernel, HANG)
-    # A name that is markup and a template at once: shown as text everywhere.
-    kernel.run("hang.__code__ = hang.__code__.replace(co_name='hang', co_qualname='hang<b>$x</b>')")
-    msg_id = kernel.submit("notebook_launcher(hang, num_processes=2, timeout=45, dashboard=True)")
-    seen = wait_for_output(kernel, msg_id, ["at sleep", "at all_reduce"])
-    cell = kernel.collect(msg_id)
-    assert cell.error is not None and cell.error["ename"] == "LaunchTimeoutError", seen
-    message = cell.error["evalue"]
-    assert re.search(
-        r"ran past timeout=45s; rank\(s\) 0, 1 were still running and have been stopped\. "
-        r"Where they were:\n"
-        rf"  rank 0 was in cell {number}, line {SLEEP_LINE} \(in hang<b>\$x</b>\), in time\.sleep\n"
-        rf"  rank 1 was in cell {number}, line {ALL_REDUCE_LINE} \(in hang<b>\$x</b>\), in "
-        r"all_reduce \(waiting for the others\)\n"
-        r"Raise timeout= if the work needs longer",
-        message,
-    ), message
-    # The record says the same, and its drawing shows the name as text.
-    record = kernel.run("print(repr([r['where'] for r in launches()[-1]['ranks']]))")
-    where = ast.literal_eval(record.stdout.strip().splitlines()[-1])
-    assert where == [
-        f"was in cell {number}, line {SLEEP_LINE} (in hang<b>$x</b>), in time.sleep",
-        f"was in cell {number}, line {ALL_REDUCE_LINE} (in hang<b>$x</b>), in all_reduce "
-        "(waiting for the others)",
-    ]
-    drawn = [
-        m["content"]["data"]["text/html"]
-        for m in cell.messages
-        if m["msg_type"] in ("display_data", "update_display_data")
-        and "text/html" in m["content"]["data"]
-    ][-1]
-    assert "hang&lt;b&gt;$x&lt;/b&gt;" in drawn and "<b>$x" not in drawn
-    assert f"cell {number}, line {ALL_REDUCE_LINE}" in drawn
-
-
-@pytest.mark.kernel
-@pytest.mark.timeout(600)
-def test_the_stop_button_names_where_each_rank_was(kernel):
-    number = _define(kernel, HANG)
-    msg_id = kernel.submit("notebook_launcher(hang, num_processes=2)")
-    wait_for_output(kernel, msg_id, ["at sleep", "at all_reduce"])
-    kernel.manager.interrupt_kernel()
-    cell = kernel.collect(msg_id)
-    assert cell.error is not None and cell.error["ename"] == "KeyboardInterrupt"
-    assert cell.error["evalue"] == (
-        "the launch was stopped; every rank has been ended. Where they were:\n"
-        f"  rank 0 was in cell {number}, line {SLEEP_LINE} (in hang), in time.sleep\n"
-        f"  rank 1 was in cell {number}, line {ALL_REDUCE_LINE} (in hang), in all_reduce "
-        "(waiting for the others)"
-    )
 
 
 def test_a_script_names_the_file_and_line(tmp_path):
