@@ -42,6 +42,12 @@ def name_cells(traceback_text: str) -> str:
     return _FILE.sub(named, traceback_text)
 
 
+def cell_of(filename: str) -> int | None:
+    """The number of this kernel's cell compiled as ``filename`` (None: not a cell, or no kernel)."""
+    shell = _shell()
+    return None if shell is None else cell_number(shell, filename)
+
+
 def cell_number(shell: Any, filename: str) -> int | None:
     """The execution count of the cell the kernel compiled as ``filename`` (None: no cell)."""
     try:

@@ -22,6 +22,7 @@ from typing import Any, Union
 import cloudpickle
 
 from notebook_launcher.launcher.metric_batch import MetricBatch
+from notebook_launcher.stack_location import Location
 
 # Log calls leave in batches, at most this often, sent by a thread of their own: the
 # logging thread only appends. A pipe write wakes the kernel's reading thread, which on a
@@ -83,7 +84,15 @@ class Steps:
     summary: dict[str, Any]  # count, median_s, compute_s, collectives_s (None: not timed), data_s
 
 
-RankMessage = Union[Hello, Result, Failure, Progress, MetricBatch, Memory, Steps]
+@dataclasses.dataclass(frozen=True)
+class Whereabouts:
+    """Where the rank was when the kernel asked (see ``launcher.whereabouts``)."""
+
+    phase: str  # "starting" (its function had not begun), "running", or "returned"
+    location: Location | None  # None: the thread running the function ran no Python code
+
+
+RankMessage = Union[Hello, Result, Failure, Progress, MetricBatch, Memory, Steps, Whereabouts]
 
 
 class Outbox:

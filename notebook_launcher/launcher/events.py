@@ -93,6 +93,17 @@ class RankFinished:
 
 
 @dataclasses.dataclass(frozen=True)
+class RankWhere:
+    """Where a rank still running was when the launch ended it from outside (its
+    ``timeout=``, the stop button, a stop from the sidebar), sent just before it is ended:
+    ``where`` reads ``was in cell 5, line 3 (in train), in all_reduce (waiting for the
+    others)``, or ``did not say where it was``."""
+
+    rank: int
+    where: str
+
+
+@dataclasses.dataclass(frozen=True)
 class GroupRestarting:
     """The ranks of this machine failed and start again (``max_restarts``)."""
 
@@ -131,6 +142,7 @@ LaunchEvent = Union[
     RankMemory,
     RankSteps,
     RankFinished,
+    RankWhere,
     GroupRestarting,
     RendezvousWaiting,
     LaunchFinished,

@@ -39,7 +39,9 @@ from notebook_launcher.launcher.channel import (
     Steps,
 )
 from notebook_launcher.launcher.metric_batch import numbers_of, step_of
+from notebook_launcher.launcher.signal_wake import SignalWake
 from notebook_launcher.launcher.store import SECRET_ENV, protect_env_rendezvous
+from notebook_launcher.launcher.whereabouts import Answerer
 from notebook_launcher.tracking import (
     add_metric_flush,
     add_metric_sink,
@@ -81,9 +83,10 @@ class RankEnds:
     stderr: Connection  # write end; becomes the rank's fd 2
     channel: Connection  # write end of the rank -> kernel messages
     commands: Connection | None = None  # read end of kernel -> rank commands (sessions)
+    asks: Connection | None = None  # read end: the kernel asks where the rank is (launches)
 
     def close(self) -> None:
-        for end in (self.stdout, self.stderr, self.channel, self.commands):
+        for end in (self.stdout, self.stderr, self.channel, self.commands, self.asks):
             if end is not None and not end.closed:
                 end.close()
 
@@ -117,12 +120,17 @@ def run_rank(
     # The store's keys are the launch's alone; not inherited by what the function starts.
     protect_env_rendezvous(os.environ.pop(SECRET_ENV, None))
     memory = _MemoryReporter()
+    answerer = Answerer(ends.asks.fileno(), send, _signal_wake()) if ends.asks is not None else None
     exit_code: int | str | None = None
     try:
         function, args, kwargs = (
             cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
         )
+        if answerer is not None:
+            answerer.phase = "running"
         value = function(*args, **kwargs)
+        if answerer is not None:
+            answerer.phase = "returned"
     except SystemExit as exit_request:
         memory.stop()
         if exit_request.code not in (None, 0):
@@ -286,6 +294,17 @@ def _detach_from_kernel() -> None:
     _die_with_parent()
 
 
+def _signal_wake() -> SignalWake | None:
+    """The function's signal handlers run while its main thread sleeps (see signal_wake);
+    only a rank's main thread can install it (not a thread of torch_xla's)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        return SignalWake()
+    except (OSError, ValueError):
+        return None
+
+
 def _close_inherited_descriptors(ends: RankEnds) -> None:
     """Let go of the sockets and event descriptors the rank inherited from the kernel.
 
@@ -303,7 +322,7 @@ def _close_inherited_descriptors(ends: RankEnds) -> None:
     parent_sentinel = getattr(multiprocessing.parent_process(), "_sentinel", None)
     if isinstance(parent_sentinel, int):
         keep.add(parent_sentinel)
-    for end in (ends.stdout, ends.stderr, ends.channel, ends.commands):
+    for end in (ends.stdout, ends.stderr, ends.channel, ends.commands, ends.asks):
         if end is not None and not end.closed:
             keep.add(end.fileno())
     tracker_fd = getattr(getattr(resource_tracker, "_resource_tracker", None), "_fd", None)

@@ -11,35 +11,37 @@ and ``watch()`` between its commands.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
-import enum
-import multiprocessing
 import os
 import selectors
 import signal
 import time
 import warnings
 from collections.abc import Sequence
-from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 import cloudpickle
 
 from notebook_launcher import descendants
 from notebook_launcher.errors import LaunchCleanupWarning, LaunchError, RankFailure
-from notebook_launcher.launcher import memory_deaths
+from notebook_launcher.launcher import memory_deaths, whereabouts
 from notebook_launcher.launcher.backends.base import (
     Backend,
     Ended,
-    RankControl,
-    RankEnds,
     RankTarget,
     Started,
     start_ranks,
 )
-from notebook_launcher.launcher.channel import Failure, Hello, Memory, Progress, Result, Steps
+from notebook_launcher.launcher.channel import (
+    Failure,
+    Hello,
+    Memory,
+    Progress,
+    Result,
+    Steps,
+    Whereabouts,
+)
 from notebook_launcher.launcher.events import (
     LaunchEvent,
     OutputLine,
@@ -49,110 +51,21 @@ from notebook_launcher.launcher.events import (
     RankProgress,
     RankStarted,
     RankSteps,
+    RankWhere,
 )
-from notebook_launcher.launcher.lines import LineSplitter
 from notebook_launcher.launcher.metric_batch import MetricBatch
 from notebook_launcher.launcher.plan import LaunchPlan
 from notebook_launcher.launcher.rank import RankSpec, run_rank
+from notebook_launcher.launcher.rank_handle import Rank, RankState
+
+__all__ = ["Outcome", "Rank", "RankGroup", "RankState", "crash_excerpt"]
 
 _READ_CHUNK = 1 << 16
 _STOP_EXITCODES = (-signal.SIGTERM, -signal.SIGKILL)  # a rank ended by the group's stop
-_TAIL_LINES = 200  # enough to hold a crash report of a deep stack
 STOP_GRACE_S = 3.0  # SIGTERM -> SIGKILL
 # After a rank exits, what it started may still hold its pipes open this long.
 DRAIN_GRACE_S = 1.0
 _REAP_WAIT_S = 1.0
-
-
-class RankState(str, enum.Enum):
-    STARTING = "starting"
-    RUNNING = "running"
-    STOPPING = "stopping"  # the group asked it to end; its end is not a failure
-    EXITED = "exited"
-
-
-class Rank:
-    """One rank as the kernel sees it: its state, its pipes, and what it reported."""
-
-    def __init__(self, spec: RankSpec, with_commands: bool) -> None:
-        self.spec = spec
-        self.rank = spec.rank
-        self.state = RankState.STARTING
-        self.control: RankControl | None = None
-        self.streams: dict[int, str] = {}  # read fd -> "stdout" / "stderr"
-        self.splitters = {"stdout": LineSplitter(), "stderr": LineSplitter()}
-        self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
-        self.messages: list[Any] = []  # Result / Failure, judged when it ends
-        self.ended: Ended | None = None
-        self.ended_at: float | None = None  # time.time() of its end
-        self.finished_sent = False
-        self.stop_sent = False
-        self.commands: Connection | None = None
-        # For naming a death by the OOM killer: the rank's memory cgroups with their kill
-        # counters when it said hello, and its resident memory last reported.
-        self.memory_watch: list[memory_deaths.CgroupWatch] = []
-        self.hello_at = time.monotonic()
-        self.last_rss: int | None = None
-        made: list[Connection] = []  # closed again if making the next one fails
-        readers: list[int] = []  # read with os.read, closed by close_stream
-        try:
-            for _stream in ("stdout", "stderr"):
-                read_end, write_end = os.pipe()
-                readers.append(read_end)
-                made.append(Connection(write_end, readable=False))
-                os.set_blocking(read_end, False)
-            self.channel, channel_w = multiprocessing.Pipe(duplex=False)
-            made += [self.channel, channel_w]
-            commands_r = None
-            if with_commands:
-                commands_r, self.commands = multiprocessing.Pipe(duplex=False)
-        except BaseException:
-            for connection in made:
-                connection.close()
-            for fd in readers:
-                os.close(fd)
-            raise
-        self.streams = dict(zip(readers, ("stdout", "stderr")))
-        self.ends = RankEnds(made[0], made[1], channel_w, commands_r)
-
-    @property
-    def pid(self) -> int | None:
-        return self.control.pid if self.control is not None else None
-
-    @property
-    def alive(self) -> bool:
-        return self.state in (RankState.RUNNING, RankState.STOPPING)
-
-    def started(self, control: RankControl) -> None:
-        self.control = control
-        self.state = RankState.RUNNING
-        self.ends.close()  # the rank holds its own copies now
-
-    def request_stop(self, signum: int) -> None:
-        if self.alive and self.control is not None:
-            self.stop_sent = True
-            self.state = RankState.STOPPING
-            self.control.signal(signum)
-
-    def mark_ended(self, ended: Ended) -> None:
-        self.ended = ended
-        self.ended_at = time.time()
-        self.state = RankState.EXITED
-
-    def close_stream(self, fd: int) -> None:
-        if self.streams.pop(fd, None) is not None:
-            os.close(fd)
-
-    def release(self) -> None:
-        """Free every descriptor the kernel holds for this rank (idempotent)."""
-        self.ends.close()
-        for fd in list(self.streams):
-            self.close_stream(fd)
-        for connection in (self.channel, self.commands):
-            if connection is not None and not connection.closed:
-                connection.close()
-        if self.control is not None and self.ended is not None:
-            self.control.release()
 
 
 @dataclasses.dataclass
@@ -166,6 +79,9 @@ class Outcome:
     finished_at: dict[int, float] = dataclasses.field(default_factory=dict)  # rank -> time.time()
     timed_out_ranks: list[int] = dataclasses.field(default_factory=list)
     stopped_from_outside: bool = False
+    # Where each rank still running was when the group ended it from outside (a timeout, a
+    # stop): rank -> "was in cell 5, line 3 (in train), in all_reduce ..." (see whereabouts).
+    where: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 MessageHandler = Callable[[Rank, Any], None]
@@ -206,6 +122,7 @@ class RankGroup:
         self._kill_deadline: float | None = None
         self._started: Started | None = None  # what the backend started for this group
         self._memory_watch = memory_deaths.GroupWatch()
+        self._asker = whereabouts.Asker()  # where the ranks were when ended from outside
 
     # start ----------------------------------------------------------------------------
 
@@ -253,7 +170,7 @@ class RankGroup:
             self.watch(self._next_timeout())
         return self.outcome
 
-    def watch(self, timeout: float = 0.0) -> None:
+    def watch(self, timeout: float = 0.0, limits: bool = True) -> None:
         """One pass of the multiplexer: read what is there, notice ends, apply limits."""
         assert self._selector is not None, "start() first"
         for key, _ in self._selector.select(timeout):
@@ -280,7 +197,8 @@ class RankGroup:
                 ended = rank.control.poll()
                 if ended is not None:
                     self._on_end(rank, ended)
-        self._check_limits()
+        if limits:
+            self._check_limits()
 
     def flush_partial_lines(self) -> None:
         """Read what the ranks wrote so far, then emit their unfinished lines as lines.
@@ -315,6 +233,7 @@ class RankGroup:
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
         """Ask every running rank to end; SIGKILL follows after the grace period."""
+        self._say_where()
         for rank in self.ranks:
             rank.request_stop(signum)
         if self._kill_at is None:
@@ -337,7 +256,7 @@ class RankGroup:
     def _next_timeout(self) -> float:
         timeout = self.plan.monitor_interval
         now = time.monotonic()
-        for moment in (self._deadline, self._kill_at):
+        for moment in (self._deadline, self._kill_at, self._asker.deadline):
             if moment is not None:
                 timeout = min(timeout, max(0.0, moment - now))
         return timeout
@@ -412,6 +331,8 @@ class RankGroup:
             )
         elif isinstance(message, Steps):
             self._emit(RankSteps(rank.rank, message.summary))
+        elif isinstance(message, Whereabouts):
+            self._asker.answered(rank.rank, message)
         elif self._on_message is not None:
             self._on_message(rank, message)
 
@@ -503,12 +424,33 @@ class RankGroup:
                 for rank in self.ranks:
                     rank.request_stop(signal.SIGKILL)
             return
-        if self._deadline is not None and now >= self._deadline:
+        if self._asker.asking:  # ended from outside: the ranks are told to end once they said
+            if not self._asker.waiting_for({r.rank for r in self.ranks if r.alive}):
+                self.stop()
+        elif self._deadline is not None and now >= self._deadline:
             self.outcome.timed_out_ranks = [r.rank for r in self.ranks if r.alive]
-            self.stop()
+            if not self._ask_where():
+                self.stop()
         elif self._stop_requested():
             self.outcome.stopped_from_outside = True
-            self.stop()
+            if not self._ask_where():
+                self.stop()
+
+    def _ask_where(self) -> bool:
+        """Ask every rank still running where it is, before ending it (see whereabouts);
+        whether there is an answer to wait for."""
+        askable = {r.rank: r.asks for r in self.ranks if r.alive and not r.stop_sent}
+        if any(fd is not None for fd in askable.values()) and not self._asker.asking:
+            self._asker.ask(askable)
+        return self._asker.waiting_for(set(askable))
+
+    def _say_where(self) -> None:
+        """Keep and tell what the asked ranks said, once, before they are ended."""
+        if self._asker.asking and not self.outcome.where:
+            self.outcome.where = self._asker.lines()
+            for rank, text in sorted(self.outcome.where.items()):
+                with contextlib.suppress(Exception):  # an observer's bug must not stop the stop
+                    self._emit(RankWhere(rank, text))
 
     # close ----------------------------------------------------------------------------
 
@@ -535,6 +477,13 @@ class RankGroup:
     def _teardown(self, hurry: bool) -> None:
         if self._closed:
             return
+        if not hurry and self._term_deadline is None and self._selector is not None:
+            # Ended by an interrupt (the stop button): the ranks say where they were first.
+            with contextlib.suppress(Exception):  # an observer's bug must not stop cleanup
+                self._ask_where()
+                while self._asker.waiting_for({r.rank for r in self.ranks if r.alive}):
+                    self.watch(max(0.0, (self._asker.deadline or 0.0) - time.monotonic()), False)
+        self._say_where()
         if not hurry:
             if self._term_deadline is None:
                 self._term_deadline = time.monotonic() + self._grace_s

@@ -19,6 +19,7 @@ from notebook_launcher.errors import (
 from notebook_launcher.launcher.events import LaunchEvent, LaunchFinished
 from notebook_launcher.launcher.plan import LaunchPlan
 from notebook_launcher.launcher.rank_group import Outcome
+from notebook_launcher.launcher.whereabouts import report_lines
 from notebook_launcher.shown_text import cut_lines
 
 
@@ -34,16 +35,27 @@ def finish(
         ranks = ", ".join(str(r) for r in outcome.timed_out_ranks)
         raise LaunchTimeoutError(
             f"the launch ran past timeout={plan.timeout:g}s; rank(s) {ranks} were still running "
-            "and have been stopped. Raise timeout= if the work needs longer, or look at where "
-            "those ranks wait (a collective that other ranks never reach hangs)."
+            f"and have been stopped.{where_block(outcome.where) or ' '}Raise timeout= if the work "
+            "needs longer, or look at where those ranks wait (a collective that other ranks never "
+            "reach hangs)."
         )
     if outcome.stopped_from_outside:
         emit(LaunchFinished("stopped", elapsed))
         raise LaunchStoppedError(
             "the launch was stopped from the JupyterLab sidebar; every rank was stopped."
+            + where_block(outcome.where).rstrip("\n")
         )
     emit(LaunchFinished("ok", elapsed))
     return [outcome.results[rank].value() for rank in sorted(outcome.results)]
+
+
+def where_block(where: dict[int, str]) -> str:
+    """The lines that say where each rank was when it was ended (empty when none was asked),
+    from a new line, ending in one."""
+    if not where:
+        return ""
+    lines = "".join(f"\n  {line}" for line in report_lines(where))
+    return f" Where they were:{lines}\n"
 
 
 def rank_failed_error(outcome: Outcome) -> RankFailedError:

@@ -25,6 +25,7 @@ from notebook_launcher.launcher.events import (
     LaunchFinished,
     LaunchObserver,
     LaunchStarted,
+    RankWhere,
 )
 from notebook_launcher.launcher.plan import LaunchPlan
 from notebook_launcher.launcher.rank import RankSpec
@@ -37,8 +38,11 @@ class Emitter:
 
     def __init__(self, observers: list[LaunchObserver]) -> None:
         self._observers = observers
+        self.where: dict[int, str] = {}  # where the ranks were when an interrupt ended them
 
     def __call__(self, event: LaunchEvent) -> None:
+        if isinstance(event, RankWhere):
+            self.where[event.rank] = event.where
         for observer in self._observers:
             observer.on_event(event)
 
@@ -72,7 +76,10 @@ def execute(
     except KeyboardInterrupt:
         # Every rank has been ended by now; the traceback ends here, not in the selector
         # the interrupt happened to land in.
-        raise KeyboardInterrupt("the launch was stopped; every rank has been ended") from None
+        where = report.where_block(emit.where).rstrip("\n")
+        raise KeyboardInterrupt(
+            "the launch was stopped; every rank has been ended" + (f".{where}" if where else "")
+        ) from None
 
 
 def _execute(

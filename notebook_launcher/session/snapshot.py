@@ -2,28 +2,22 @@
 
 Taken on the rank by a side thread (see ``rank_signals.SignalWatch``) when the kernel asks with
 SIGUSR1, from ``sys._current_frames()``: a main thread blocked inside a C++ collective still
-shows its Python frames, so a rank stuck in ``all_reduce`` can say so. Nothing here runs
-unless asked; a cell pays nothing for it.
+shows its Python frames, so a rank stuck in ``all_reduce`` can say so (the rule of what is
+where: ``notebook_launcher.stack_location``, which a launch's ranks use too). Nothing here
+runs unless asked; a cell pays nothing for it.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import dis
-import linecache
 import os
-import re
 import resource
 import sys
 import time
-from types import CodeType, FrameType
 from typing import Any, Callable
 
 from notebook_launcher.session.protocol import Snapshot
-
-_CELL_NAME = re.compile(r"In\[(\d+)\]\Z")
-_COLLECTIVES = os.sep + os.path.join("torch", "distributed") + os.sep
+from notebook_launcher.stack_location import main_thread_frame, where_line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,12 +26,6 @@ class Running:
 
     what: str  # "cell 5", "a function", "push", ...
     started: float  # time.monotonic() on the rank
-
-
-def cell_label(filename: str) -> str:
-    """``In[5]`` (a notebook cell) -> ``cell 5``; other names as they are, without brackets."""
-    found = _CELL_NAME.match(filename)
-    return f"cell {found.group(1)}" if found else filename.strip("<>")
 
 
 class SnapshotTaker:
@@ -57,7 +45,7 @@ class SnapshotTaker:
         self._last_cpu, self._last_time = cpu, now
         where = ""
         if running is not None:
-            frame = sys._current_frames().get(self._main)
+            frame = main_thread_frame(self._main)
             where = where_line(frame, is_cell) if frame is not None else "not in Python code"
         allocated, reserved = _cuda_memory(device)
         return Snapshot(
@@ -70,70 +58,6 @@ class SnapshotTaker:
             cuda_allocated_bytes=allocated,
             cuda_reserved_bytes=reserved,
         )
-
-
-def where_line(frame: FrameType, is_cell: Callable[[str], bool]) -> str:
-    """One line: the innermost line of a notebook cell on the stack, and the function the
-    code is in below it (or the call that line is making, when that is not Python code)."""
-    stack: list[FrameType] = []
-    inner: FrameType | None = frame
-    while inner is not None:
-        stack.append(inner)
-        inner = inner.f_back
-    innermost = stack[0]
-    cell = next((f for f in stack if is_cell(f.f_code.co_filename)), None)
-    if cell is None:  # e.g. a function of the package itself: its own file and line
-        return f"{innermost.f_code.co_filename}, line {innermost.f_lineno}, in {_qualname(innermost.f_code)}"
-    place = f"{cell_label(cell.f_code.co_filename)}, line {cell.f_lineno}"
-    if cell.f_code.co_name != "<module>":
-        place += f" (in {_qualname(cell.f_code)})"
-    if innermost is cell:
-        called = _called_name(cell)
-        return f"{place}, in {called}" if called else place
-    line = f"{place}, in {_qualname(innermost.f_code)}"
-    if _COLLECTIVES in innermost.f_code.co_filename:
-        line += " (waiting for the others)"
-    return line
-
-
-def _qualname(code: CodeType) -> str:
-    """``Class.method`` where Python says it (3.11 and later), the bare name on 3.10."""
-    return getattr(code, "co_qualname", code.co_name)
-
-
-def _called_name(frame: FrameType) -> str:
-    """What the frame's current instruction calls (``time.sleep``), read from the source
-    span that instruction came from; empty when that cannot be told."""
-    try:
-        for instruction in dis.get_instructions(frame.f_code):
-            if instruction.offset != frame.f_lasti:
-                continue
-            # Python 3.11 and later know each instruction's columns; 3.10 names no call.
-            position = getattr(instruction, "positions", None)
-            if position is None or position.lineno is None or position.end_lineno is None:
-                return ""
-            lines = linecache.getlines(frame.f_code.co_filename)[
-                position.lineno - 1 : position.end_lineno
-            ]
-            if not lines or position.col_offset is None or position.end_col_offset is None:
-                return ""
-            if len(lines) == 1:
-                source = lines[0].encode()[position.col_offset : position.end_col_offset].decode()
-            else:
-                source = "".join(
-                    [
-                        lines[0].encode()[position.col_offset :].decode(),
-                        *lines[1:-1],
-                        lines[-1].encode()[: position.end_col_offset].decode(),
-                    ]
-                )
-            call = ast.parse(source.strip(), mode="eval").body
-            if isinstance(call, ast.Call):
-                return ast.unparse(call.func)
-            return ""
-    except Exception:  # a source that changed, an odd instruction: say nothing rather than wrong
-        return ""
-    return ""
 
 
 def _cpu_seconds() -> float:

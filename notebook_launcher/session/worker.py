@@ -54,7 +54,8 @@ from notebook_launcher.session.protocol import (
     execute_value,
 )
 from notebook_launcher.session.rank_signals import SignalWatch, nothing_to_do_here
-from notebook_launcher.session.snapshot import Running, SnapshotTaker, cell_label
+from notebook_launcher.session.snapshot import Running, SnapshotTaker
+from notebook_launcher.stack_location import cell_label
 
 if TYPE_CHECKING:
     from notebook_launcher.launcher.backends.base import RankEnds

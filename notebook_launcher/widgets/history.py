@@ -40,7 +40,10 @@ def launches() -> list[dict[str, Any]]:
     ``elapsed`` (s), ``started_at`` / ``ended_at`` (seconds since the epoch),
     ``num_processes``, ``accelerator``, ``mixed_precision``, ``start_method``, ``ranks``
     (one dict per rank: ``state``, ``elapsed`` (from the launch's start), ``exitcode``,
-    ``error``, ``traceback``, ``progress``, ``last_metrics`` (each metric's last value,
+    ``error``, ``traceback``, ``where`` (where a rank still running was when ``timeout=``
+    or a stop ended the launch: ``"was in cell 5, line 3 (in train), in all_reduce (waiting
+    for the others)"``, or ``"did not say where it was"``; None otherwise), ``progress``,
+    ``last_metrics`` (each metric's last value,
     exactly), ``peak_memory`` (``kind`` "rss" or "cuda", ``peak_bytes``,
     ``current_bytes``, ``device``; None before the rank reported), ...) and ``metrics``
     (``{name: {rank: {"steps": [...], "values": [...], "logged": n}}}``; past 4,000

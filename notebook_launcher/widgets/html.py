@@ -125,6 +125,8 @@ def _detail_html(row: RankRow) -> str:
             f'<span class="nl-error" style="{code} color: #d62728; font-weight: 600;">'
             f"{html.escape(shorten(row.error, _DETAIL_CHARS))}</span>"
         )
+    if row.where is not None:  # ended from outside: where it was then
+        return f'<span class="nl-where" style="{code}">{html.escape(shorten(row.where, _DETAIL_CHARS))}</span>'
     return f'<span class="nl-last" style="{code}">{html.escape(shorten(row.last_line, _DETAIL_CHARS))}</span>'
 
 

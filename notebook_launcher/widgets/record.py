@@ -28,6 +28,7 @@ from notebook_launcher.launcher.events import (
     RankProgress,
     RankStarted,
     RankSteps,
+    RankWhere,
 )
 from notebook_launcher.launcher.metric_batch import MetricBatch
 from notebook_launcher.rank_memory import MachineMemory, machine_memory
@@ -186,6 +187,8 @@ class RankRow:
     progress: Progress | None = None
     last_line: str = ""
     error: str | None = None  # the first line of the failure, when the rank failed
+    # Where it was when the launch ended it from outside (timeout=, a stop): "was in cell 5, ..."
+    where: str | None = None
     output: collections.deque[str] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=OUTPUT_LINES_KEPT)
     )
@@ -273,6 +276,8 @@ class DashboardRecord:
         elif isinstance(event, RankSteps):
             self._row(event.rank).steps = dict(event.summary)
             self.steps_version += 1
+        elif isinstance(event, RankWhere):
+            self._row(event.rank).where = clean_text(event.where)
         elif isinstance(event, LaunchStarted):
             self.num_processes = event.num_processes
             self.accelerator, self.mixed_precision = event.accelerator, event.mixed_precision
@@ -467,6 +472,7 @@ def record_data(record: DashboardRecord) -> dict[str, Any]:
         ranks.append({
             "rank": rank, "state": row.state, "device": row.device, "pid": row.pid,
             "elapsed": row.elapsed(now), "exitcode": row.exitcode, "error": row.error,
+            "where": row.where,
             "traceback": clean_text(cut_lines(failure.traceback)) if failure is not None else None,
             "progress": None if row.progress is None else {
                 "n": row.progress.n, "total": row.progress.total, "description": row.progress.description,

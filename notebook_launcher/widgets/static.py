@@ -64,6 +64,8 @@ def record_html(
             detail = (
                 f'<b style="color: #d62728;">{html.escape(shorten(row.error, _ERROR_CHARS))}</b>'
             )
+        elif row.where is not None:  # ended from outside: where it was then
+            detail = f"<code>{html.escape(shorten(row.where, _ERROR_CHARS))}</code>"
         else:
             detail = (
                 f"<code>{html.escape(shorten(row.last_line, 200))}</code>" if row.last_line else ""

@@ -88,7 +88,7 @@ def machine_warning(record: DashboardRecord) -> str | None:
 
 def detail_text(row: RankRow) -> str:
     """The failing rank's error, else its last line of output."""
-    text = row.error if row.error is not None else row.last_line
+    text = row.error if row.error is not None else (row.where or row.last_line)
     return shorten(text, _LAST_LINE_WIDTH)
 
 

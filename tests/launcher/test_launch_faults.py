@@ -75,6 +75,64 @@ def test_a_second_interrupt_while_stopping_leaves_nothing_behind(tmp_path, monke
     assert registry.list_launches() == []  # and leak_check: no port, thread, fd or process
 
 
+def sigterm_to_another_thread_and_wait(marker):
+    def note_and_ignore(signum, frame):
+        with open(marker, "a") as file:
+            file.write("SIGTERM\n")
+
+    signal.signal(signal.SIGTERM, note_and_ignore)
+    # The kernel then hands the group's SIGTERM to another thread of the rank, as it may
+    # whenever the main thread is not the one it picks: CPython trips the handler there,
+    # and a main thread asleep would not run it for the whole sleep.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    print("ready", flush=True)
+    time.sleep(600)
+
+
+def test_a_ranks_sigterm_handler_runs_while_its_main_thread_sleeps(
+    tmp_path, monkeypatch, leak_check
+):
+    from notebook_launcher.launcher.rank_group import RankGroup
+
+    # A grace longer than any test: only the handler's run (or the second press) ends it.
+    monkeypatch.setitem(RankGroup.__init__.__kwdefaults__, "grace_s", 600.0)
+    marker = tmp_path / "sigterm"
+    main = threading.get_ident()
+    ready = threading.Event()
+    readies: list[int] = []
+
+    class WhenReady:
+        def on_event(self, event):  # type: ignore[no-untyped-def]
+            if isinstance(event, OutputLine) and event.text == "ready":
+                readies.append(event.rank)
+                if len(readies) == 2:
+                    ready.set()
+
+    def press_then_press_again():
+        if not ready.wait(120):
+            return
+        signal.pthread_kill(main, signal.SIGINT)  # the stop button
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (
+            marker.exists() and marker.read_text().count("SIGTERM") == 2
+        ):
+            time.sleep(0.02)
+        signal.pthread_kill(main, signal.SIGINT)  # pressed again: ends the grace
+
+    pusher = threading.Thread(target=press_then_press_again)
+    pusher.start()
+    with pytest.raises(KeyboardInterrupt):
+        notebook_launcher(
+            sigterm_to_another_thread_and_wait,
+            (str(marker),),
+            num_processes=2,
+            timeout=300,
+            observers=[WhenReady()],
+        )
+    pusher.join()
+    assert marker.exists() and marker.read_text() == "SIGTERM\nSIGTERM\n"
+
+
 def ask_for_input():
     return input("learning rate? ")
 
