@@ -15,7 +15,6 @@ from notebook_launcher import RankFailedError, Session, SessionError
 from notebook_launcher.errors import LaunchTypeError
 from notebook_launcher.launcher.events import OutputLine
 from notebook_launcher.session.protocol import Execute, Push
-from tests.conftest import rank_processes
 
 ALL_REDUCE = "t = torch.ones(8) * (rank + 1)\ntorch.distributed.all_reduce(t)\nt.tolist()"
 
@@ -30,19 +29,6 @@ def wait_until_dead(session: Session, within_s: float = 300.0) -> None:  # a saf
     deadline = time.monotonic() + within_s
     while session.alive and time.monotonic() < deadline:
         time.sleep(0.05)
-
-
-def test_close_leaves_nothing_behind(leak_check):
-    session = Session(num_processes=2, hardware="cpu")
-    session.execute(ALL_REDUCE)
-    assert len(rank_processes()) == 2  # runs first: no other session exists yet
-    session.close()
-    session.close()
-    assert not session.alive
-    with pytest.raises(
-        SessionError, match=r"the session is closed; create a new Session \(or %distributed start\)"
-    ):
-        session.execute("1")
 
 
 def test_every_rank_starts_with_its_names_and_a_process_group(session):
@@ -543,16 +529,3 @@ def test_status_from_another_thread_while_a_cell_runs_says_what_and_where(sessio
         LaunchTypeError, match=r"^timeout=-1 must be a number of seconds above 0, or None\.$"
     ):
         session.execute("1", timeout=-1)
-
-
-def test_a_backend_whose_ranks_take_no_commands_is_refused_before_any_rank_starts(monkeypatch):
-    from notebook_launcher.launcher.backends.local import LocalBackend
-
-    monkeypatch.setattr(LocalBackend, "supports_sessions", False)
-    with pytest.raises(
-        SessionError,
-        match=r"the 'local' backend cannot keep ranks for a session: its ranks take no commands "
-        r"between cells\. Use notebook_launcher\(\.\.\., backend='local'\)",
-    ):
-        Session(num_processes=2)
-    assert rank_processes() == []
