@@ -33,6 +33,9 @@ def run_script(*arguments: object) -> dict[str, object]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow(
+    reason="a process of its own dispatches a model and stops or fails its forward, per case"
+)
 @pytest.mark.parametrize("error", ["KeyboardInterrupt", "ValueError"])
 @pytest.mark.parametrize("kind", ["cpu", "disk"])
 def test_a_forward_stopped_or_failing_inside_a_block_leaves_nothing_behind(tmp_path, kind, error):
