@@ -226,6 +226,7 @@ def test_run_with_a_failing_rank_exits_1_with_its_traceback(tmp_path):
     assert_no_process_left(tmp_path)
 
 
+@pytest.mark.slow(reason="the command line's ranks fail and start again")
 def test_run_restarts_failed_ranks_with_max_restarts(tmp_path):
     script = write_script(
         tmp_path,
@@ -251,6 +252,7 @@ def test_run_restarts_failed_ranks_with_max_restarts(tmp_path):
     assert "[rank1]: attempt 0 done" not in done.stdout
 
 
+@pytest.mark.slow(reason="the command line's ranks run until its timeout")
 def test_run_past_its_timeout_exits_1_and_stops_every_rank(tmp_path):
     script = write_script(tmp_path, RANK_SCRIPT)
     done = cli(
@@ -269,6 +271,7 @@ def test_run_past_its_timeout_exits_1_and_stops_every_rank(tmp_path):
     assert_no_process_left(tmp_path)
 
 
+@pytest.mark.slow(reason="the command line's ranks started, then interrupted")
 def test_interrupting_run_stops_every_rank_and_exits_130(tmp_path):
     script = write_script(tmp_path, RANK_SCRIPT)
     process = subprocess.Popen(
@@ -302,6 +305,9 @@ def test_interrupting_run_stops_every_rank_and_exits_130(tmp_path):
     assert_no_process_left(tmp_path)
 
 
+@pytest.mark.slow(
+    reason="the command line starts a rendezvous and its ranks in processes of their own"
+)
 def test_run_passes_rdzv_conf_to_the_rendezvous(tmp_path):
     script = write_script(tmp_path, "print('never runs')\n")
     endpoint = f"127.0.0.1:{free_port()}"  # nobody hosts it

@@ -35,6 +35,7 @@ def train_and_log(folder: str) -> int:
     return len(acc.trackers)
 
 
+@pytest.mark.slow(reason="wandb starts a service process of its own, and mlflow writes its store")
 def test_wandb_offline_and_mlflow_record_the_main_process_values(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -22,6 +22,7 @@ import trainer_tiny
 pytestmark = pytest.mark.usefixtures("plain_process")
 
 
+@pytest.mark.slow(reason="trains in launched ranks and under torchrun, side by side")
 def test_trainer_in_launched_cpu_ranks_matches_torchrun_bit_for_bit(tmp_path: Path) -> None:
     ours = notebook_launcher(
         trainer_tiny.train,

@@ -76,6 +76,9 @@ def test_gradient_checkpointing_through_prepare_gives_the_same_losses_under_ddp_
                 assert losses[(sharding, checkpointing)] == pytest.approx(plain, abs=1e-6)
 
 
+@pytest.mark.slow(
+    reason="two launches of ranks that build and train a transformers model, under DDP and FSDP2"
+)
 def test_each_rank_holds_less_under_fsdp2_than_under_ddp_measured():
     ddp = _launch(fsdp_tiny.memory_of, "ddp")
     ddp_peaks = [rank["peak_memory"]["peak_bytes"] for rank in launches()[-1]["ranks"]]

@@ -35,6 +35,9 @@ def run_script(*arguments: object) -> dict[str, object]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow(
+    reason="a process of its own dispatches a model and stops or fails its forward, per case"
+)
 @pytest.mark.parametrize("error", ["KeyboardInterrupt", "ValueError"])
 @pytest.mark.parametrize("kind", ["cpu", "disk"])
 def test_a_forward_stopped_or_failing_inside_a_block_leaves_nothing_behind(tmp_path, kind, error):
@@ -64,6 +67,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.slow(reason="a process of its own dispatches a model to disk, per case")
 @pytest.mark.parametrize("case", ["remove_hooks", "collected"])
 def test_remove_hooks_or_collecting_the_model_closes_the_folder_and_ends_the_thread(
     checkpoints, tmp_path, case
@@ -76,6 +80,7 @@ def test_remove_hooks_or_collecting_the_model_closes_the_folder_and_ends_the_thr
     assert result["deleted_still_open"] == []  # so deleting the folder frees its space
 
 
+@pytest.mark.slow(reason="a process of its own writes, fails and cleans an offloaded checkpoint")
 def test_a_failed_load_closes_and_removes_what_it_wrote(checkpoints, tmp_path):
     result = run_script(
         SCRIPTS / "resources.py",

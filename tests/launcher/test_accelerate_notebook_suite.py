@@ -81,6 +81,7 @@ def run_suite(suite: Path, *select: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow(reason="runs accelerate's own notebook launcher cases in processes of their own")
 def test_accelerates_notebook_launcher_cases_pass_with_only_the_import_changed(tmp_path):
     source = accelerate_suite()
     cases = set(re.findall(r"^def (test_\w+)\(", source, re.MULTILINE))

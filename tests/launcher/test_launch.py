@@ -19,6 +19,7 @@ from notebook_launcher.launcher import printer
 from notebook_launcher.launcher.events import OutputLine, RankFinished
 from tests.conftest import run_script
 from tests.support.ports import free_port
+from tests.support.tiers import fork_quick
 
 METHODS = ["fork", "forkserver", "spawn"]
 
@@ -35,7 +36,7 @@ def all_reduce_ranks(scale):
     return result
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", fork_quick(METHODS))
 def test_each_start_method_runs_ranks_that_talk_and_return(method, leak_check):
     assert notebook_launcher(all_reduce_ranks, (10,), num_processes=2, start_method=method) == (
         0,
@@ -48,7 +49,7 @@ def test_each_start_method_runs_ranks_that_talk_and_return(method, leak_check):
     assert values == [(0, 2, 3.0), (1, 2, 3.0)]
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", fork_quick(METHODS))
 def test_lambdas_closures_and_local_classes_travel_by_value(method, leak_check):
     offset = 5
 
@@ -66,6 +67,9 @@ def test_lambdas_closures_and_local_classes_travel_by_value(method, leak_check):
     assert type(boxes[0]).__name__ == "Box"
 
 
+@pytest.mark.slow(
+    reason="a script launched under each start method, spawn and forkserver among them"
+)
 def test_functions_and_globals_of_a_main_script_work_under_every_start_method(tmp_path):
     out = run_script(
         """
@@ -103,7 +107,7 @@ def read_contract():
     return {k: os.environ.get(k) for k in keys} | {"threads": torch.get_num_threads()}
 
 
-@pytest.mark.parametrize("method", ["fork", "forkserver"])
+@pytest.mark.parametrize("method", fork_quick(["fork", "forkserver"]))
 def test_every_rank_sees_the_torchrun_contract_and_the_precision(method, leak_check):
     values = notebook_launcher(
         read_contract, num_processes=2, mixed_precision="bf16", start_method=method, return_all=True
@@ -248,7 +252,7 @@ class RankOutcomes:
                 self.all_printed.set()
 
 
-@pytest.mark.parametrize("method", ["fork", "forkserver"])
+@pytest.mark.parametrize("method", fork_quick(["fork", "forkserver"]))
 def test_a_failing_rank_raises_its_own_error_and_stops_the_others_at_once(method, leak_check):
     outcomes = RankOutcomes()
     with pytest.raises(ValueError, match="learning rate 10 is too large") as caught:
@@ -270,6 +274,7 @@ def test_a_failing_rank_raises_its_own_error_and_stops_the_others_at_once(method
     assert isinstance(error.__cause__, ValueError)
 
 
+@pytest.mark.slow(reason="launches under every start method, spawn among them")
 def test_exception_classes_defined_by_the_user_are_kept(leak_check):
     with pytest.raises(DataProblem, match="shard 3 is empty"):
         notebook_launcher(fail_on_rank_one, ("custom",), num_processes=2, start_method="spawn")
@@ -414,6 +419,7 @@ def test_auto_falls_back_to_the_forkserver_when_the_kernel_holds_a_process_group
     )
 
 
+@pytest.mark.slow(reason="a subprocess that starts a forkserver for its ranks")
 def test_auto_falls_back_to_the_forkserver_when_cuda_was_initialised(
     monkeypatch, capfd, leak_check
 ):

@@ -18,6 +18,7 @@ from notebook_launcher.launcher import backends, start_method
 from notebook_launcher.launcher.backends.local import LocalBackend
 from notebook_launcher.launcher.events import LaunchFinished, LaunchStarted, OutputLine, RankStarted
 from tests.conftest import run_script
+from tests.support.tiers import fork_quick
 
 
 def ignore_sigterm_and_wait(marker):
@@ -234,6 +235,9 @@ def test_an_exception_that_cannot_be_pickled_keeps_its_type(leak_check):
     )
 
 
+@pytest.mark.slow(
+    reason="a script launched under each start method, spawn and forkserver among them"
+)
 def test_an_exception_class_of_a_script_keeps_its_type_under_every_start_method(tmp_path):
     out = run_script(
         """
@@ -468,7 +472,7 @@ def make_gpu_results():
     return {"weights": weights, "loss": 0.5}
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", fork_quick(["fork", "spawn"]))
 def test_returned_tensors_come_back_on_the_cpu_unless_asked_to_keep_them(method, leak_check):
     moved = notebook_launcher(make_gpu_results, num_processes=1, start_method=method)
     assert type(moved["weights"]) is torch.Tensor and moved["weights"].tolist() == [1.0, 1.0]

@@ -85,6 +85,7 @@ def memory_cgroup(limit: int) -> Iterator[pathlib.Path]:
                     os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG)
 
 
+@pytest.mark.slow(reason="a rank grows until the OOM killer ends it")
 @pytest.mark.timeout(300)
 def test_a_rank_killed_by_the_oom_killer_in_a_memory_cgroup_is_named_out_of_memory(tmp_path):
     script = tmp_path / "grow.py"

@@ -98,6 +98,7 @@ def tagged(
     return json.loads(lines[0][len(tag) + 1 :])
 
 
+@pytest.mark.slow(reason="two machines (processes) with their ranks, per rendezvous")
 @pytest.mark.parametrize("backend", ["static", "c10d"])
 def test_two_machines_on_loopback_get_global_ranks_through_the_rendezvous(tmp_path, backend):
     nodes = run_two_nodes(tmp_path, backend)
@@ -128,6 +129,7 @@ def test_two_machines_on_loopback_get_global_ranks_through_the_rendezvous(tmp_pa
     assert ["127.0.0.1"] in [v["listening"] for v in results[group_of_node.index(0)]["all"]]
 
 
+@pytest.mark.slow(reason="two machines (processes) with their ranks")
 def test_a_failing_rank_on_one_machine_fails_the_launch_on_both(tmp_path):
     nodes = run_two_nodes(tmp_path, "static", fail_rank=3)
     failing, other = tagged(nodes[1], "ERROR", nodes), tagged(nodes[0], "ERROR", nodes)
@@ -160,6 +162,7 @@ print("RESULT " + json.dumps(values))
 """
 
 
+@pytest.mark.slow(reason="two machines (processes) fail and start again")
 def test_both_machines_restart_together_after_a_failure(tmp_path):
     nodes = run_two_nodes(tmp_path, "static", source=RESTARTING_NODE)
     assert tagged(nodes[0], "RESULT", nodes) == [[0, 1, 6.0], [1, 1, 6.0]]

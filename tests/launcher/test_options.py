@@ -190,6 +190,9 @@ def test_a_launch_from_inside_a_rank_is_refused(monkeypatch):
         notebook_launcher(never_called)
 
 
+@pytest.mark.slow(
+    reason="scripts launched in processes of their own, with and without saved defaults"
+)
 def test_saved_defaults_fill_what_the_call_leaves_out(tmp_path, monkeypatch, leak_check):
     from notebook_launcher.defaults import LaunchDefaults, save_defaults
 

@@ -277,6 +277,7 @@ def run_nodes(tmp_path: Path, *settings: tuple[str, ...], backend: str = "static
     return [tagged(out, "ERROR", outputs) for out in outputs]
 
 
+@pytest.mark.slow(reason="two machines (processes) meet at a rendezvous, per case")
 @pytest.mark.parametrize(
     ("first", "second", "what"),
     [
@@ -401,6 +402,7 @@ print("RESULT " + json.dumps(notebook_launcher(
 """
 
 
+@pytest.mark.slow(reason="two machines (processes) and a stranger at a rendezvous")
 def test_a_stranger_writing_the_closing_key_does_not_stop_machines_with_a_secret(tmp_path):
     script = tmp_path / "node.py"
     script.write_text(textwrap.dedent(STRANGER_NODE))

@@ -64,6 +64,7 @@ def _run(tmp_path: Path, warnings_flag: str) -> tuple[dict, str]:
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
+@pytest.mark.slow(reason="a script launched in a process of its own, per warning filter")
 @pytest.mark.parametrize("warnings_flag", ["always", "error"])
 def test_a_script_launch_imports_no_debugger_changes_no_variable_and_warns_of_nothing(
     tmp_path, warnings_flag

@@ -18,7 +18,6 @@ from pathlib import Path
 import psutil
 
 HOST = str(Path(__file__).with_name("ray_node_host.py"))
-_ATTEMPTS = 4  # node starts that Ray's own start-up timeouts may cost on a busy machine
 
 # For every process of the cluster and for the kernel that joins it: Ray keeps the node
 # address 127.0.0.1 (and binds loopback alone) only with multi-node clusters switched off,
@@ -56,7 +55,6 @@ class LoopbackRayCluster:
         self.env = {**os.environ, **RAY_LOOPBACK_ENV, "HOME": home}
         self.env.pop("RAY_ADDRESS", None)
         self.nodes: list[RayNode] = []
-        self.failed_starts: list[str] = []
         self._hosts: list[subprocess.Popen] = []  # every node process ever started
         self._seen: dict[int, psutil.Process] = {}  # every process of the cluster seen so far
 
@@ -74,29 +72,27 @@ class LoopbackRayCluster:
         }
         if self.nodes:
             spec["gcs_address"] = self.address
-        for _ in range(_ATTEMPTS):
-            host = subprocess.Popen(
-                [sys.executable, HOST, json.dumps(spec)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                env=self.env,
-                text=True,
-            )
-            self._hosts.append(host)
-            favour(host.pid)  # before it has imported Ray, let alone started the node
-            assert host.stdout is not None
-            line = host.stdout.readline()
-            info = json.loads(line) if line.startswith("{") else {"error": f"no report: {line!r}"}
-            if "error" not in info:
-                node = RayNode(info["node_id"], info["gcs_address"], info["raylet_pid"], host)
-                self.nodes.append(node)
-                self.processes()  # remember them, for the end
-                return node
-            self.failed_starts.append(info["error"])
-            self._end(host)
-        raise RuntimeError(
-            f"a Ray node did not start in {_ATTEMPTS} attempts: {self.failed_starts}"
+        # One start: the node waits for its raylet's registration however long a busy
+        # machine makes it (ray_node_host.py), and says at once when the raylet died.
+        host = subprocess.Popen(
+            [sys.executable, HOST, json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=self.env,
+            text=True,
         )
+        self._hosts.append(host)
+        favour(host.pid)  # before it has imported Ray, let alone started the node
+        assert host.stdout is not None
+        line = host.stdout.readline()
+        info = json.loads(line) if line.startswith("{") else {"error": f"no report: {line!r}"}
+        if "error" in info:
+            self._end(host)
+            raise RuntimeError(f"a Ray node did not start: {info['error']}")
+        node = RayNode(info["node_id"], info["gcs_address"], info["raylet_pid"], host)
+        self.nodes.append(node)
+        self.processes()  # remember them, for the end
+        return node
 
     def processes(self, node: RayNode | None = None) -> list[psutil.Process]:
         """The live processes of one node (or of all of them): Ray's, its workers, the ranks."""

@@ -6,14 +6,14 @@ address, and with multi-node clusters switched off (what keeps 127.0.0.1) it ref
 join a head. Ray's own ``Node`` (what ``ray.cluster_utils.Cluster`` uses) takes the
 address as given, so the gcs_server, raylet and workers bind loopback alone.
 
-Ray's raylet waits about 15 s for each port its agents have not been given, and aborts
+Ray's raylet waits a fixed 15 s for each port its agents have not been given, and aborts
 when an agent (a Python process importing Ray) reports later, which a busy machine makes
-likely. So every agent port is chosen here and given: the dashboard agent's listen port
-reaches the raylet through its own flag, which Ray's Python code does not pass.
+likely. So the node starts as the launcher's own local cluster does (ray_local's
+node_start_awaited): every agent port is chosen and given, and the start waits for the
+node's registration for as long as its raylet lives.
 
 Prints one JSON line: the node's id, GCS address and raylet pid, or ``{"error": ...}``
-when the node did not start (its raylet died meanwhile); the caller may then start it
-again, instead of waiting for Ray's own registration wait to run out.
+when the node did not start (its raylet died meanwhile, said at once).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import sys
 import threading
 
 import psutil
-from ports import free_port  # beside this script, which runs with tests/ first on sys.path
 
 
 def watch_raylet(started: threading.Event) -> None:
@@ -63,19 +62,10 @@ def main() -> None:
     started = threading.Event()
     threading.Thread(target=watch_raylet, args=(started,), daemon=True).start()
 
-    from ray._private import services
     from ray._private.node import Node
     from ray._private.parameter import RayParams
 
-    listen_port = free_port()
-    start_ray_process = services.start_ray_process
-
-    def start_with_listen_port(command, process_type, *args, **kwargs):
-        if process_type == "raylet":
-            command = [*command, f"--dashboard_agent_listen_port={listen_port}"]
-        return start_ray_process(command, process_type, *args, **kwargs)
-
-    services.start_ray_process = start_with_listen_port
+    from notebook_launcher.launcher.backends.ray_local import node_start_awaited
 
     head = bool(spec.get("head"))
     params = RayParams(
@@ -91,14 +81,10 @@ def main() -> None:
         min_worker_port=0,
         max_worker_port=0,
         node_manager_port=0,
-        # Given, so the raylet need not wait for the agents to report them.
-        dashboard_agent_listen_port=listen_port,
-        metrics_agent_port=free_port(),
-        metrics_export_port=free_port(),
-        runtime_env_agent_port=free_port(),
     )
     try:
-        node = Node(params, head=head, shutdown_at_exit=False, spawn_reaper=False)
+        with node_start_awaited():
+            node = Node(params, head=head, shutdown_at_exit=False, spawn_reaper=False)
     except Exception as error:
         fail(f"the node did not start: {error}")
     started.set()

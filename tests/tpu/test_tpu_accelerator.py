@@ -42,6 +42,7 @@ def _run(
     return sorted(records, key=lambda r: r["rank"])
 
 
+@pytest.mark.slow(reason="launched ranks train, compared with one process")
 def test_replicas_train_to_the_weights_of_one_process_with_the_global_batch(tmp_path):
     records = _run(tmp_path)
     assert [r["rank"] for r in records] == [0, 1] and {r["world"] for r in records} == {2}
@@ -59,6 +60,7 @@ def test_replicas_train_to_the_weights_of_one_process_with_the_global_batch(tmp_
     torch.testing.assert_close(checkpoint["weight"], reference, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow(reason="launched ranks train, two replicas each")
 def test_v3_chips_run_two_replicas_per_process_as_threads(tmp_path):
     records = _run(tmp_path, chips=1, accelerator_type="v3-8")
     assert [r["rank"] for r in records] == [0, 1] and records[0]["world"] == 2
@@ -66,6 +68,7 @@ def test_v3_chips_run_two_replicas_per_process_as_threads(tmp_path):
     torch.testing.assert_close(records[1]["weight"], reference, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow(reason="launched ranks train under the faked XLA runtime")
 def test_bf16_is_the_xla_precision(tmp_path):
     records = _run(tmp_path, precision="bf16", chips=1)
     assert records[0]["mixed_precision"] == "bf16"

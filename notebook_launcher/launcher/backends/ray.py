@@ -53,8 +53,9 @@ _READ_WAIT_S = 0.2  # how long one ``read`` call waits for output in the actor
 _PLACE_TIMEOUT_S = 120.0  # Ray could not place the actors (too few CPUs / GPUs free)
 _PROBE_TIMEOUT_S = 5.0  # a raylet that does not take a connection by then is gone
 _CHUNK = 1 << 16
-# How long Ray waits for a node it starts to register: a busy machine can take minutes.
-# Ray reads it from the environment when imported and when its processes start.
+# How long the raylet of a node it starts waits for its agents: a busy machine can take
+# minutes. Ray reads it from the environment when imported and when its processes start;
+# the start waits for the node's registration as long as that raylet lives (ray_local.py).
 _START_WAIT_ENV = "RAY_raylet_start_wait_time_s"
 _START_WAIT_S = "300"
 
@@ -538,7 +539,7 @@ def _connect(plan: LaunchPlan) -> tuple[Any, bool]:
             # Ray binds loopback alone only for the node address 127.0.0.1 itself.
             node_ip = "127.0.0.1" if _is_loopback(plan.master_addr) else None
             with _start_wait():
-                _start_local(ray, max(cores, plan.num_processes), node_ip, options)
+                ray_local.start(ray, max(cores, plan.num_processes), node_ip, options)
             _local_cluster.started()
             return ray, True
     except Exception as error:
@@ -559,30 +560,9 @@ def _connect(plan: LaunchPlan) -> tuple[Any, bool]:
         why = str(error).rstrip(". ")
         raise RayClusterError(
             f"could not start a local Ray cluster for the launch: {why}. Ray's logs in {logs} "
-            "say why; on a busy machine its raylet gives up when its own agents start slowly "
-            "(raylet.out: 'Timed out waiting for file'). Run the launch again once the machine "
-            "is less busy, or start a cluster yourself (ray start --head) and pass ray_address=."
+            "(raylet.out, gcs_server.out) say why. Run the launch again, or start a cluster "
+            "yourself (ray start --head) and pass ray_address=."
         ) from error
-
-
-# Ray's own words when its node did not register within its fixed 30 s (not configurable).
-_NODE_START_TIMEOUT = "timed out during startup"
-
-
-def _start_local(ray: Any, num_cpus: int, node_ip: str | None, options: dict[str, Any]) -> None:
-    """Start the local cluster, once more if its node was too slow to register: on a busy
-    machine Ray's agents import slowly the first time, and faster the second."""
-    try:
-        ray_local.start(ray, num_cpus, node_ip, options)
-    except Exception as error:
-        if _NODE_START_TIMEOUT not in str(error):
-            raise
-        print(
-            "notebook_launcher: the local Ray cluster's node did not register within Ray's "
-            "30 s (a busy machine); starting the cluster once more.",
-            file=sys.stderr,
-        )
-        ray_local.start(ray, num_cpus, node_ip, options)
 
 
 @contextlib.contextmanager

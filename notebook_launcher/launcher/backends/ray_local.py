@@ -14,6 +14,10 @@ with (readable by this user alone), never through a file: Ray's default,
 ``~/.ray/auth_token``, is written readable by every user who can enter the home folder.
 The kernel's environment holds the token while the cluster runs and gets its own
 settings back when the cluster is shut down.
+
+Start: the raylet is given its agents' ports, so that it need not wait for the agents
+(which a busy machine starts slowly) within Ray's fixed 15 s; the start then waits for the
+node's registration, and says at once when the raylet exited (node_start_awaited).
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ import importlib
 import os
 import secrets
 import signal
+import socket
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 _AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
@@ -32,6 +38,18 @@ _SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 _RAY_PROGRAMS = (b"raylet", b"gcs_server")  # what ray.init starts as children of this process
 _saved_auth: dict[str, str | None] | None = None  # the kernel's own settings while a cluster runs
+# The ports a raylet's agents listen on, chosen before the start (node_start_awaited).
+_AGENT_PORTS = (
+    "metrics_agent_port",
+    "metrics_export_port",
+    "runtime_env_agent_port",
+    "dashboard_agent_listen_port",
+)
+_POLL_S = 0.2
+
+
+class RayletExited(Exception):
+    """The raylet of the node being started exited before the node registered."""
 
 
 def start(ray: Any, num_cpus: int, node_ip_address: str | None, options: dict[str, Any]) -> None:
@@ -53,7 +71,7 @@ def start(ray: Any, num_cpus: int, node_ip_address: str | None, options: dict[st
     _saved_auth = saved
     before = _ray_children(ray)
     try:
-        with _single_node(node_ip_address is not None):
+        with _single_node(node_ip_address is not None), node_start_awaited():
             ray.init(num_cpus=num_cpus, _node_ip_address=node_ip_address, **options)
     except BaseException:
         shutdown(ray)
@@ -78,6 +96,112 @@ def shutdown(ray: Any) -> None:
             os.environ[name] = value
     _saved_auth = None
     _reload_auth()
+
+
+@contextlib.contextmanager
+def node_start_awaited() -> Iterator[None]:
+    """While a node starts in this process (``ray.init`` of a new cluster, or Ray's own
+    ``Node``): its raylet is given its agents' ports, and the start ends as soon as the
+    raylet exits instead of waiting out Ray's bound.
+
+    Ports: a raylet not given them waits for its agents (Python processes importing Ray) to
+    write them to files, for a fixed 15 s that no setting reaches, then aborts; a busy
+    machine starts the agents slower than that. Given the ports, the raylet registers
+    without waiting, and the agents join when they are up.
+
+    Exit: Ray's driver asks the GCS for the node, a question that waits up to
+    ``RAY_raylet_start_wait_time_s`` for the raylet to register; one that exited never will.
+    """
+    try:
+        services: Any = importlib.import_module("ray._private.services")
+        node_class: Any = importlib.import_module("ray._private.node").Node
+    except (ImportError, AttributeError):
+        yield
+        return
+    real_init = node_class.__init__
+    real_start_process = services.start_ray_process
+    real_get_node = services.get_node
+    listen: list[int] = []
+
+    def init(node: Any, *args: Any, **kwargs: Any) -> None:
+        params = kwargs["ray_params"] if "ray_params" in kwargs else args[0]
+        for name in _AGENT_PORTS:
+            setattr(params, name, _free_port())
+        listen[:] = [params.dashboard_agent_listen_port]
+        real_init(node, *args, **kwargs)
+
+    def start_ray_process(command: list[str], process_type: str, *args: Any, **kwargs: Any) -> Any:
+        # Ray's Python code hands the listen port to the agent but not to the raylet.
+        if process_type == "raylet" and listen:
+            command = [*command, f"--dashboard_agent_listen_port={listen[0]}"]
+        return real_start_process(command, process_type, *args, **kwargs)
+
+    def get_node(gcs_address: str, node_id: str) -> Any:
+        return _unless_raylet_exits(real_get_node, gcs_address, node_id)
+
+    node_class.__init__ = init
+    services.start_ray_process = start_ray_process
+    services.get_node = get_node
+    try:
+        yield
+    finally:
+        node_class.__init__ = real_init
+        services.start_ray_process = real_start_process
+        services.get_node = real_get_node
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _unless_raylet_exits(ask: Callable[..., Any], *args: Any) -> Any:
+    """``ask(*args)``, asked in a thread of its own, unless this process's raylet exits
+    first (then RayletExited). The thread, if left, ends with Ray's own bound."""
+    answer: list[Any] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            answer.append(ask(*args))
+        except BaseException as error:  # handed to the caller
+            failed.append(error)
+
+    asking = threading.Thread(target=run, name="ray-node-registration", daemon=True)
+    asking.start()
+    while True:
+        asking.join(_POLL_S)
+        if not asking.is_alive():
+            break
+        gone = _raylet_gone()
+        if gone is not None:
+            raise RayletExited(f"Ray's raylet{gone} exited before its node registered with the GCS")
+    if failed:
+        raise failed[0]
+    return answer[0]
+
+
+def _raylet_gone() -> str | None:
+    """None while a raylet child of this process runs; else what is known of it (its pid,
+    when it is a zombie not reaped yet, as " (pid N)", or "" when there is none)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None  # no /proc: nothing to tell, and Ray's own bound applies
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                name, _, rest = stat.read().partition(b" (")[2].rpartition(b")")
+            fields = rest.split()
+            if name != b"raylet" or int(fields[1]) != os.getpid():
+                continue
+            return f" (pid {entry})" if fields[0] in (b"Z", b"X") else None
+        except (OSError, ValueError, IndexError):
+            continue
+    return ""
 
 
 def _ray_children(ray: Any) -> set[int]:
