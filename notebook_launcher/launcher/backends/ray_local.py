@@ -124,10 +124,12 @@ def node_start_awaited() -> Iterator[None]:
     listen: list[int] = []
 
     def init(node: Any, *args: Any, **kwargs: Any) -> None:
-        params = kwargs["ray_params"] if "ray_params" in kwargs else args[0]
-        for name in _AGENT_PORTS:
-            setattr(params, name, _free_port())
-        listen[:] = [params.dashboard_agent_listen_port]
+        params = kwargs["ray_params"] if "ray_params" in kwargs else args[0] if args else None
+        # Only where this Ray's parameters are the ones known here; else Ray's own start.
+        if params is not None and all(hasattr(params, name) for name in _AGENT_PORTS):
+            for name in _AGENT_PORTS:
+                setattr(params, name, _free_port())
+            listen[:] = [params.dashboard_agent_listen_port]
         real_init(node, *args, **kwargs)
 
     def start_ray_process(command: list[str], process_type: str, *args: Any, **kwargs: Any) -> Any:
@@ -136,8 +138,8 @@ def node_start_awaited() -> Iterator[None]:
             command = [*command, f"--dashboard_agent_listen_port={listen[0]}"]
         return real_start_process(command, process_type, *args, **kwargs)
 
-    def get_node(gcs_address: str, node_id: str) -> Any:
-        return _unless_raylet_exits(real_get_node, gcs_address, node_id)
+    def get_node(*args: Any, **kwargs: Any) -> Any:
+        return _unless_raylet_exits(real_get_node, *args, **kwargs)
 
     node_class.__init__ = init
     services.start_ray_process = start_ray_process
@@ -156,7 +158,7 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _unless_raylet_exits(ask: Callable[..., Any], *args: Any) -> Any:
+def _unless_raylet_exits(ask: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``ask(*args)``, asked in a thread of its own, unless this process's raylet exits
     first (then RayletExited). The thread, if left, ends with Ray's own bound."""
     answer: list[Any] = []
@@ -164,7 +166,7 @@ def _unless_raylet_exits(ask: Callable[..., Any], *args: Any) -> Any:
 
     def run() -> None:
         try:
-            answer.append(ask(*args))
+            answer.append(ask(*args, **kwargs))
         except BaseException as error:  # handed to the caller
             failed.append(error)
 
