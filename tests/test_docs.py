@@ -14,6 +14,10 @@ its fence, which says why::
     <!-- docs-test: skip (needs a CUDA GPU) -->
 
 Such blocks are reported as skipped with that reason, one test each, so none goes unseen.
+A block that runs a scenario of processes of its own for more than about 5 s on a quiet
+2-core machine is left to ``make test`` (the quick tier leaves ``slow`` tests out)::
+
+    <!-- docs-test: slow (launches ranks that run past the launch's timeout) -->
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SKIP_MARKER = re.compile(r"^<!--\s*docs-test:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->$")
-# Only the marker above is understood; a misspelt one must fail, not silently run or skip.
+SLOW_MARKER = re.compile(r"^<!--\s*docs-test:\s*slow\s*\((?P<reason>[^)]+)\)\s*-->$")
+# Only the markers above are understood; a misspelt one must fail, not silently run or skip.
 ANY_MARKER = re.compile(r"^<!--\s*docs-test")
 FENCE = re.compile(r"^(?P<indent>\s*)(?P<ticks>```+)(?P<info>.*)$")
 # A safety net against a block that never ends; each example normally takes seconds.
@@ -57,6 +62,11 @@ class Block:
         if self.marker is None:
             return None
         match = SKIP_MARKER.match(self.marker)
+        return match.group("reason").strip() if match else None
+
+    @property
+    def slow_reason(self) -> str | None:
+        match = SLOW_MARKER.match(self.marker) if self.marker is not None else None
         return match.group("reason").strip() if match else None
 
 
@@ -107,22 +117,9 @@ def _adjacent(page: Path, first: Block, second: Block) -> bool:
 ALL_BLOCKS = [block for page in PAGES for block in extract_blocks(page)]
 PYTHON_BLOCKS = [block for block in ALL_BLOCKS if block.language == "python"]
 
-# Blocks left to `make test` (the quick tier skips them): each is a scenario of processes
-# of its own taking over about 5 s on a quiet 2-core machine. Named by page and line; a
-# name no block has any more fails test_every_slow_block_exists, so the list stays true.
-SLOW_BLOCKS = {
-    "docs/fine-tuning.md:24": "builds, trains and saves a LoRA model from transformers",
-    "docs/big-models.md:212": "imports transformers and estimates a model's memory",
-    "docs/big-models.md:260": "imports transformers and estimates a model's memory",
-    "docs/errors.md:205": "launches ranks, one of them killed, and waits for the others",
-    "docs/errors.md:168": "launches ranks that run until one fails",
-    "docs/dashboard.md:110": "launches ranks that train, then reads the record",
-    "docs/errors.md:273": "launches ranks that run past the launch's timeout",
-}
-
 
 def _block_param(block: Block) -> object:
-    reason = SLOW_BLOCKS.get(block.name)
+    reason = block.slow_reason
     if reason is None:
         return block
     return pytest.param(block, marks=pytest.mark.slow(reason=reason), id=block.name)
@@ -178,23 +175,23 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
         )
 
 
-def test_every_slow_block_exists() -> None:
-    names = {block.name for block in PYTHON_BLOCKS}
-    assert sorted(set(SLOW_BLOCKS) - names) == []
-
-
 def test_every_marker_is_understood() -> None:
     bad = [
-        f"{b.name}: {b.marker}" for b in ALL_BLOCKS if b.marker and not SKIP_MARKER.match(b.marker)
+        f"{b.name}: {b.marker}"
+        for b in ALL_BLOCKS
+        if b.marker and not (SKIP_MARKER.match(b.marker) or SLOW_MARKER.match(b.marker))
     ]
     assert not bad, (
-        "docs-test markers that are not `<!-- docs-test: skip (reason) -->`:\n" + "\n".join(bad)
+        "docs-test markers that are not `<!-- docs-test: skip (reason) -->` or "
+        "`<!-- docs-test: slow (reason) -->`:\n" + "\n".join(bad)
     )
 
 
-def test_skip_markers_sit_on_python_blocks_only() -> None:
-    misplaced = [b.name for b in ALL_BLOCKS if b.skip_reason and b.language != "python"]
-    assert not misplaced, f"skip markers before blocks that are never run: {misplaced}"
+def test_markers_sit_on_python_blocks_only() -> None:
+    misplaced = [
+        b.name for b in ALL_BLOCKS if (b.skip_reason or b.slow_reason) and b.language != "python"
+    ]
+    assert not misplaced, f"markers before blocks that are never run: {misplaced}"
 
 
 def test_every_output_block_follows_a_python_block() -> None:
