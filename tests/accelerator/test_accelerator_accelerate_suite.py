@@ -15,6 +15,7 @@ import ast
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,8 +54,22 @@ def test_the_variant_differs_from_the_installed_script_only_in_those_imports(scr
     assert "from notebook_launcher.accelerator import" in rewritten
 
 
+# Each runs accelerate's script twice (theirs, then ours) over 2 ranks for about 30 s.
+_LONG_CASES = {
+    "test_distributed_data_loop:main()",
+    "test_distributed_data_loop:test_can_join_uneven_inputs()",
+}
+
+
+def _case_param(case: str) -> Any:
+    if suite.case_id(case) not in _LONG_CASES:
+        return case
+    reason = "runs accelerate's data-loop script twice on 2 ranks, about 30 s"
+    return pytest.param(case, marks=pytest.mark.slow(reason=reason))
+
+
 @pytest.mark.timeout(900)  # two variants, each up to run_one's timeout and a retry
-@pytest.mark.parametrize("case", suite.cases(), ids=suite.case_id)
+@pytest.mark.parametrize("case", [_case_param(c) for c in suite.cases()], ids=suite.case_id)
 def test_each_case_accelerate_passes_passes_with_ours(
     variants: dict[tuple[str, str], Path],
     case: str,

@@ -19,6 +19,11 @@ from notebook_launcher.launcher import whereabouts
 from notebook_launcher.launcher.events import OutputLine
 from tests.conftest import run_script
 
+SLOW = pytest.mark.slow(
+    reason="waits out a launch's timeout= of 20-45 s, long enough for a busy machine's ranks "
+    "to reach where they hang"
+)
+
 # A rank says "at <what>" once its main thread's innermost frame passes ``check``.
 SAY_WHEN = """
 def say_when(what, check):
@@ -56,6 +61,7 @@ def _line_of(text: str, source: str = HANG) -> int:
 assert _line_of("time.sleep(600)") == SLEEP_LINE and _line_of("all_reduce(torch") == ALL_REDUCE_LINE
 
 
+@SLOW
 def test_a_script_names_the_file_and_line(tmp_path):
     source = (
         SAY_WHEN
@@ -94,6 +100,7 @@ def stuck_or_deaf():
     ctypes.PyDLL(None).sleep(600)  # PyDLL: the call keeps Python's lock
 
 
+@SLOW
 def test_a_rank_that_cannot_answer_is_said_not_to_have_and_the_launch_ends_in_its_bound(
     leak_check,
 ):
@@ -130,6 +137,7 @@ def one_returns_one_sleeps():
         time.sleep(600)
 
 
+@SLOW
 def test_a_rank_that_already_returned_is_not_asked(leak_check):
     with pytest.raises(LaunchTimeoutError) as caught:
         notebook_launcher(one_returns_one_sleeps, num_processes=2, timeout=20)
