@@ -187,22 +187,12 @@ def _unless_raylet_exits(ask: Callable[..., Any], *args: Any, **kwargs: Any) -> 
 def _raylet_gone() -> str | None:
     """None while a raylet child of this process runs; else what is known of it (its pid,
     when it is a zombie not reaped yet, as " (pid N)", or "" when there is none)."""
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
+    children = _children()
+    if children is None:
         return None  # no /proc: nothing to tell, and Ray's own bound applies
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as stat:
-                name, _, rest = stat.read().partition(b" (")[2].rpartition(b")")
-            fields = rest.split()
-            if name != b"raylet" or int(fields[1]) != os.getpid():
-                continue
-            return f" (pid {entry})" if fields[0] in (b"Z", b"X") else None
-        except (OSError, ValueError, IndexError):
-            continue
+    for pid, name, state in children:
+        if name == b"raylet":
+            return f" (pid {pid})" if state in (b"Z", b"X") else None
     return ""
 
 
@@ -210,27 +200,37 @@ def _ray_children(ray: Any) -> set[int]:
     """This process's children that run Ray's own programs (read from /proc, where there is one)."""
     package = os.path.dirname(ray.__file__).encode()
     found: set[int] = set()
+    for pid, name, state in _children() or []:
+        # A Ray program that died while starting is a zombie with no command line left,
+        # known by its name alone, and must still be reaped.
+        if state == b"Z" and name in _RAY_PROGRAMS:
+            found.add(pid)
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                if package in cmdline.read():
+                    found.add(pid)
+        except OSError:
+            continue
+    return found
+
+
+def _children() -> list[tuple[int, bytes, bytes]] | None:
+    """(pid, name, state) of each child of this process, from /proc; None without /proc."""
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return found
+        return None
+    found = []
     for entry in entries:
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat", "rb") as stat:
                 name, _, rest = stat.read().partition(b" (")[2].rpartition(b")")
-                fields = rest.split()  # after "pid (name)"
-            if int(fields[1]) != os.getpid():
-                continue
-            # A Ray program that died while starting is a zombie with no command line left,
-            # known by its name alone, and must still be reaped.
-            if fields[0] == b"Z" and name in _RAY_PROGRAMS:
-                found.add(int(entry))
-                continue
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                if package in cmdline.read():
-                    found.add(int(entry))
+            fields = rest.split()  # after "pid (name)": state, parent, ...
+            if int(fields[1]) == os.getpid():
+                found.append((int(entry), name, fields[0]))
         except (OSError, ValueError, IndexError):
             continue
     return found
