@@ -31,13 +31,14 @@ def ignore_sigterm_and_wait(marker):
     time.sleep(600)
 
 
-def test_a_second_interrupt_while_stopping_leaves_nothing_behind(tmp_path, monkeypatch, leak_check):
+def stop_twice_once_both_noted_sigterm(function, marker, monkeypatch) -> None:
+    """Launch ``function(marker)`` on 2 ranks, press stop once both said "ready", and again
+    once both noted SIGTERM in ``marker``: the launch raises KeyboardInterrupt."""
     from notebook_launcher.launcher.rank_group import RankGroup
 
-    # A grace longer than any test: the second interrupt lands inside it however slow
-    # this machine is, and it alone ends the wait.
+    # A grace longer than any test: only the second press (or the handlers' run) ends it,
+    # however slow this machine is.
     monkeypatch.setitem(RankGroup.__init__.__kwdefaults__, "grace_s", 600.0)
-    marker = tmp_path / "sigterm"
     main = threading.get_ident()
     ready = threading.Event()
     readies: list[int] = []
@@ -49,7 +50,7 @@ def test_a_second_interrupt_while_stopping_leaves_nothing_behind(tmp_path, monke
                 if len(readies) == 2:
                     ready.set()
 
-    def interrupt_twice():
+    def press_then_press_again():
         if not ready.wait(120):
             return
         signal.pthread_kill(main, signal.SIGINT)  # the stop button
@@ -59,19 +60,20 @@ def test_a_second_interrupt_while_stopping_leaves_nothing_behind(tmp_path, monke
             marker.exists() and marker.read_text().count("SIGTERM") == 2
         ):
             time.sleep(0.02)
-        signal.pthread_kill(main, signal.SIGINT)  # pressed again
+        signal.pthread_kill(main, signal.SIGINT)  # pressed again: ends the grace
 
-    pusher = threading.Thread(target=interrupt_twice)
+    pusher = threading.Thread(target=press_then_press_again)
     pusher.start()
     with pytest.raises(KeyboardInterrupt):
         notebook_launcher(
-            ignore_sigterm_and_wait,
-            (str(marker),),
-            num_processes=2,
-            timeout=300,
-            observers=[WhenReady()],
+            function, (str(marker),), num_processes=2, timeout=300, observers=[WhenReady()]
         )
     pusher.join()
+
+
+def test_a_second_interrupt_while_stopping_leaves_nothing_behind(tmp_path, monkeypatch, leak_check):
+    marker = tmp_path / "sigterm"
+    stop_twice_once_both_noted_sigterm(ignore_sigterm_and_wait, marker, monkeypatch)
     assert marker.read_text() == "SIGTERM\nSIGTERM\n"
     assert registry.list_launches() == []  # and leak_check: no port, thread, fd or process
 
@@ -93,44 +95,8 @@ def sigterm_to_another_thread_and_wait(marker):
 def test_a_ranks_sigterm_handler_runs_while_its_main_thread_sleeps(
     tmp_path, monkeypatch, leak_check
 ):
-    from notebook_launcher.launcher.rank_group import RankGroup
-
-    # A grace longer than any test: only the handler's run (or the second press) ends it.
-    monkeypatch.setitem(RankGroup.__init__.__kwdefaults__, "grace_s", 600.0)
     marker = tmp_path / "sigterm"
-    main = threading.get_ident()
-    ready = threading.Event()
-    readies: list[int] = []
-
-    class WhenReady:
-        def on_event(self, event):  # type: ignore[no-untyped-def]
-            if isinstance(event, OutputLine) and event.text == "ready":
-                readies.append(event.rank)
-                if len(readies) == 2:
-                    ready.set()
-
-    def press_then_press_again():
-        if not ready.wait(120):
-            return
-        signal.pthread_kill(main, signal.SIGINT)  # the stop button
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (
-            marker.exists() and marker.read_text().count("SIGTERM") == 2
-        ):
-            time.sleep(0.02)
-        signal.pthread_kill(main, signal.SIGINT)  # pressed again: ends the grace
-
-    pusher = threading.Thread(target=press_then_press_again)
-    pusher.start()
-    with pytest.raises(KeyboardInterrupt):
-        notebook_launcher(
-            sigterm_to_another_thread_and_wait,
-            (str(marker),),
-            num_processes=2,
-            timeout=300,
-            observers=[WhenReady()],
-        )
-    pusher.join()
+    stop_twice_once_both_noted_sigterm(sigterm_to_another_thread_and_wait, marker, monkeypatch)
     assert marker.exists() and marker.read_text() == "SIGTERM\nSIGTERM\n"
 
 
