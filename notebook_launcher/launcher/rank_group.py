@@ -122,6 +122,10 @@ class RankGroup:
         self._kill_deadline: float | None = None
         self._started: Started | None = None  # what the backend started for this group
         self._memory_watch = memory_deaths.GroupWatch()
+        # When the group began ending its ranks for timeout= or a stop from the sidebar
+        # (time.time(), the clock of a rank's failure): what fails from then on is the stop's
+        # doing, a peer ended first cutting a collective short.
+        self._ended_from_outside_at: float | None = None
         self._asker = whereabouts.Asker()  # where the ranks were when ended from outside
 
     # start ----------------------------------------------------------------------------
@@ -234,6 +238,10 @@ class RankGroup:
     def stop(self, signum: int = signal.SIGTERM) -> None:
         """Ask every running rank to end; SIGKILL follows after the grace period."""
         self._say_where()
+        if self._ended_from_outside_at is None and (
+            self.outcome.timed_out_ranks or self.outcome.stopped_from_outside
+        ):
+            self._ended_from_outside_at = time.time()
         for rank in self.ranks:
             rank.request_stop(signum)
         if self._kill_at is None:
@@ -369,6 +377,11 @@ class RankGroup:
         exitcode = rank.ended.exitcode if rank.ended is not None else None
         for message in rank.messages:
             if isinstance(message, Failure):
+                if (
+                    self._ended_from_outside_at is not None
+                    and message.time >= self._ended_from_outside_at
+                ):
+                    return None  # stopped, as its peers were: the launch says why it ended
                 self._keep_remote_exception(rank.rank, message.exception, message.exception_class)
                 return RankFailure(
                     rank.rank,

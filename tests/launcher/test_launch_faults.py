@@ -155,6 +155,47 @@ def test_a_daemon_a_rank_started_is_ended_with_the_launch(leak_check):
     assert all(gone(pid) for pid in pids), [psutil.Process(p) for p in pids if not gone(p)]
 
 
+def collective_cut_by_the_stop():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        # Outlives its own SIGTERM: its collective breaks first, when rank 0 ends.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("ready", flush=True)
+        dist.all_reduce(torch.ones(1))  # rank 0 never joins
+    time.sleep(600)
+
+
+def test_a_rank_whose_collective_a_stopped_peer_cuts_is_stopped_not_failed(leak_check):
+    """Ending a launch from outside ends its ranks one by one: a rank whose peer ended first
+    sees its collective fail and raises. That is the stop's doing: the launch says it was
+    stopped (or timed out), not that the rank failed."""
+    from notebook_launcher import LaunchStoppedError
+
+    class StopOnceReady:
+        def on_event(self, event):  # type: ignore[no-untyped-def]
+            if isinstance(event, OutputLine) and event.text == "ready":
+                for launch in registry.list_launches():  # the sidebar's stop button
+                    registry.request_stop(launch.launch_id)
+
+    states: dict[int, str] = {}
+
+    class States:
+        def on_event(self, event):  # type: ignore[no-untyped-def]
+            if type(event).__name__ == "RankFinished":
+                states[event.rank] = event.state
+
+    with pytest.raises(LaunchStoppedError, match="the launch was stopped from the JupyterLab"):
+        notebook_launcher(
+            collective_cut_by_the_stop,
+            num_processes=2,
+            timeout=300,
+            observers=[StopOnceReady(), States()],
+        )
+    assert states == {0: "stopped", 1: "stopped"}
+
+
 def start_a_daemon_then_hang():
     import subprocess
 
