@@ -42,7 +42,7 @@ def test_start_methods_agree_between_rules_launcher_and_defaults(
     platform: str, methods: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     support = rules.start_method_support(platform, methods)
-    kernel = KernelState.detect(platform=platform, available=methods, read_maps=lambda: "")
+    kernel = KernelState.detect(platform=platform, available=methods, is_loaded=lambda _: False)
     monkeypatch.setattr(sys, "platform", platform)
     monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: methods)
     for method, reason in support.items():

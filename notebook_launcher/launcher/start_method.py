@@ -6,8 +6,10 @@ kernel makes fork unsafe is read once per launch into a :class:`KernelState`.
 
 from __future__ import annotations
 
+import _ctypes
 import dataclasses
 import multiprocessing
+import os
 import sys
 from typing import Callable
 
@@ -16,24 +18,32 @@ from notebook_launcher.errors import LaunchConfigError
 
 START_METHODS = rules.START_METHODS
 
-# The CUDA driver library: once a process has it mapped, some library may have called
-# cuInit, and a forked child then fails with "Cannot re-initialize CUDA".
-_CUDA_DRIVER_NAMES = ("/libcuda.so", "/libcuda.dylib", "/nvcuda.dll")
+# The CUDA driver's names to the dynamic loader: once a process has it loaded, some library
+# may have called cuInit, and a forked child then fails with "Cannot re-initialize CUDA".
+# The loader knows a library by its soname however it was loaded (a full path, a compat
+# folder, a renamed copy), so asking it by these names finds every loaded driver.
+_CUDA_DRIVER_SONAMES = ("libcuda.so.1", "libcuda.so")
 
 
-def _read_own_maps() -> str:
+def library_loaded(soname: str) -> bool:
+    """Whether the dynamic loader has ``soname`` loaded in this process, asked without
+    loading it (dlopen's RTLD_NOLOAD): tens of microseconds, where reading
+    /proc/self/maps took half a millisecond before every launch."""
+    nothing_loaded = getattr(os, "RTLD_NOLOAD", None)
+    if nothing_loaded is None or not hasattr(_ctypes, "dlopen"):
+        return False  # not a POSIX loader: the platform rule already refuses fork there
     try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            return maps.read()
-    except OSError:  # not Linux: the platform rule already refuses fork there
-        return ""
+        handle = _ctypes.dlopen(soname, nothing_loaded | os.RTLD_LAZY)
+    except OSError:
+        return False
+    _ctypes.dlclose(handle)  # the probe's own reference
+    return True
 
 
-def cuda_driver_loaded(read_maps: Callable[[], str] | None = None) -> bool:
-    """Whether the CUDA driver is mapped into this process, by torch or any other library
-    (cupy, numba, jax, bitsandbytes...). Tests pass a fake ``read_maps``."""
-    text = (read_maps or _read_own_maps)()
-    return any(name in text for name in _CUDA_DRIVER_NAMES)
+def cuda_driver_loaded(is_loaded: Callable[[str], bool] | None = None) -> bool:
+    """Whether the CUDA driver is loaded in this process, by torch or any other library
+    (cupy, numba, jax, bitsandbytes...). Tests pass a fake ``is_loaded``."""
+    return any((is_loaded or library_loaded)(name) for name in _CUDA_DRIVER_SONAMES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +65,7 @@ class KernelState:
         cls,
         platform: str | None = None,
         available: list[str] | None = None,
-        read_maps: Callable[[], str] | None = None,
+        is_loaded: Callable[[str], bool] | None = None,
     ) -> KernelState:
         platform = sys.platform if platform is None else platform
         support = rules.start_method_support(
@@ -70,7 +80,7 @@ class KernelState:
             forkserver_available=support["forkserver"] is None,
             cuda_initialized=cuda_initialized,
             process_group_initialized=group_initialized,
-            cuda_driver_loaded=cuda_driver_loaded(read_maps),
+            cuda_driver_loaded=cuda_driver_loaded(is_loaded),
             inside_rank=rank_env.inside_rank(),
             platform=platform,
         )

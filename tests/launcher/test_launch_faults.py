@@ -490,10 +490,8 @@ def test_returned_tensors_come_back_on_the_cpu_unless_asked_to_keep_them(method,
 
 
 def test_auto_notices_a_cuda_driver_loaded_by_another_library(monkeypatch, capfd, leak_check):
-    fake_maps = "7f3a00000000-7f3a00200000 r-xp 00000000 08:01 42 /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15\n"
-    monkeypatch.setattr(
-        start_method, "_read_own_maps", lambda: fake_maps
-    )  # cupy, numba... loaded it
+    # cupy, numba... loaded it
+    monkeypatch.setattr(start_method, "library_loaded", lambda soname: soname == "libcuda.so.1")
     assert notebook_launcher(os.getpid, num_processes=1) != os.getpid()
     _, err = capfd.readouterr()
     assert (

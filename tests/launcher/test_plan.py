@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -181,10 +183,33 @@ def test_choices_are_spelled_as_the_server_accepts_them() -> None:
     )
 
 
+LOADED_BY_AN_IMPORT = """
+import sys
+from notebook_launcher.launcher.start_method import library_loaded
+before = library_loaded("libsqlite3.so.0")
+import sqlite3  # its extension module loads the library by the loader's search
+with open("/proc/self/maps") as maps:
+    mapped = "/libsqlite3.so.0" in maps.read()
+print(before, library_loaded("libsqlite3.so.0"), mapped, library_loaded("libsqlite3.so.0"))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a Linux loader and /proc")
+def test_the_loader_is_asked_for_a_library_by_its_soname_without_loading_it() -> None:
+    # As the CUDA driver would be: loaded by a library, under a path of its own.
+    seen = subprocess.run(
+        [sys.executable, "-c", LOADED_BY_AN_IMPORT], capture_output=True, text=True, check=True
+    ).stdout.split()
+    if seen[2] != "True":
+        pytest.skip("this Python's sqlite3 does not load a shared libsqlite3")
+    assert seen == ["False", "True", "True", "True"]
+
+
 def test_auto_takes_the_forkserver_when_a_library_loaded_the_cuda_driver() -> None:
-    maps = "7f0 r-xp 0 08:01 42 /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15\n"
     kernel = KernelState.detect(
-        platform="linux", available=["fork", "spawn", "forkserver"], read_maps=lambda: maps
+        platform="linux",
+        available=["fork", "spawn", "forkserver"],
+        is_loaded=lambda soname: soname == "libcuda.so.1",
     )
     assert kernel.cuda_driver_loaded and not kernel.cuda_initialized
     plan = resolve(kernel=kernel)
@@ -193,7 +218,7 @@ def test_auto_takes_the_forkserver_when_a_library_loaded_the_cuda_driver() -> No
         "the CUDA driver was initialised in this kernel (libcuda is loaded: "
     )
     clean = KernelState.detect(
-        platform="linux", available=["fork", "spawn", "forkserver"], read_maps=lambda: ""
+        platform="linux", available=["fork", "spawn", "forkserver"], is_loaded=lambda _: False
     )
     assert resolve(kernel=clean).start.method == "fork"
 
