@@ -152,13 +152,13 @@ def choices(report: HardwareReport) -> dict[str, Any]:
     return rules.choices(report)
 
 
-def load_defaults() -> LaunchDefaults:
+def load_defaults(path: Path | None = None) -> LaunchDefaults:
     """The saved defaults; none saved gives ``LaunchDefaults()``, a broken file a warning too.
 
     Only a regular file of at most MAX_FILE_BYTES is read, without blocking: a FIFO, a
     device or a huge file in its place must not freeze the kernel or the Jupyter server.
     """
-    path = defaults_path()
+    path = defaults_path() if path is None else path
     try:
         raw = _read_small_regular_file(path)
     except FileNotFoundError:
@@ -293,7 +293,8 @@ class EffectiveDefaults:
 
 def effective_defaults() -> EffectiveDefaults:
     """This kernel's configure() choices over the saved file, read now (never cached)."""
-    saved = load_defaults()
+    path = defaults_path()
+    saved = load_defaults(path)
     kernel = _kernel_defaults or LaunchDefaults()
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -303,7 +304,7 @@ def effective_defaults() -> EffectiveDefaults:
             values[key], sources[key] = mine, KERNEL
         elif filed is not None:
             values[key], sources[key] = filed, FILE
-    return EffectiveDefaults(LaunchDefaults(**values), sources, defaults_path())
+    return EffectiveDefaults(LaunchDefaults(**values), sources, path)
 
 
 def _warn_ignored(path: Path, problem: str) -> None:
