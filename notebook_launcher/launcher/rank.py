@@ -14,6 +14,7 @@ import io
 import os
 import random
 import signal
+import stat
 import sys
 import threading
 import time
@@ -120,7 +121,12 @@ def run_rank(
     # The store's keys are the launch's alone; not inherited by what the function starts.
     protect_env_rendezvous(os.environ.pop(SECRET_ENV, None))
     memory = _MemoryReporter()
-    answerer = Answerer(ends.asks.fileno(), send, _signal_wake()) if ends.asks is not None else None
+    answerer = None
+    if ends.asks is not None:  # the answerer's side thread takes the readings too
+        every = (MEMORY_REPORT_S, memory.report)
+        answerer = Answerer(ends.asks.fileno(), send, _signal_wake(), every)
+    else:
+        memory.start_thread()
     exit_code: int | str | None = None
     try:
         function, args, kwargs = (
@@ -165,10 +171,11 @@ class _MemoryReporter:
     """Sends the rank's peak memory when it grew (read once a second), and once at the end.
 
     The peak starts over when the rank starts, so that a forked rank reports its own and
-    not the kernel's. Nothing here waits for the reading thread (neither its start nor its
-    end): on a busy machine a new thread may wait milliseconds to be scheduled, which a
-    short launch paid twice in every rank. The lock keeps a reading of the thread from
-    following the final one.
+    not the kernel's. The readings are taken by the rank's side thread (the answerer's), or
+    by a thread of their own (:meth:`start_thread`) where it has none. Nothing here waits for
+    a thread (neither its start nor its end): on a busy machine a thread may wait
+    milliseconds to be scheduled, which a short launch paid in every rank. The lock keeps a
+    reading of the thread from following the final one.
     """
 
     def __init__(self) -> None:
@@ -177,15 +184,18 @@ class _MemoryReporter:
         self._lock = threading.Lock()
         with contextlib.suppress(Exception):  # a reading is never worth failing a rank for
             rank_memory.reset_peak()
+
+    def start_thread(self) -> None:
         # The first reading comes after a second: a function that returns sooner has only the
         # final one, and a short launch's ranks spend nothing on readings while gloo starts.
         _thread.start_new_thread(self._run, ())
 
     def _run(self) -> None:
         while not self._stopping.wait(MEMORY_REPORT_S):
-            self._report()
+            self.report()
 
-    def _report(self, final: bool = False) -> None:
+    def report(self, final: bool = False) -> None:
+        """A reading, sent when the peak grew or when ``final``; none after the final one."""
         with self._lock:
             if self._stopping.is_set() and not final:
                 return
@@ -210,7 +220,7 @@ class _MemoryReporter:
         with contextlib.suppress(Exception):  # a summary is never worth failing a rank for
             finish_steps()
         self._stopping.set()
-        self._report(final=True)
+        self.report(final=True)
 
 
 def dump_result(value: Any, keep_devices: bool) -> bytes:
@@ -341,8 +351,17 @@ def _close_inherited_descriptors(ends: RankEnds) -> None:
             fd = int(name)
             if fd in keep or fd == null:
                 continue
+            # Pipes, terminals and folders stay, a socket goes; only what may be an anonymous
+            # inode (no file type, or a pidfd's regular one) has its name read, which costs
+            # five times fstat's (a kernel holds a hundred descriptors).
             try:
-                target = os.readlink(f"/proc/self/fd/{fd}")
+                kind = stat.S_IFMT(os.fstat(fd).st_mode)
+                if kind == stat.S_IFSOCK:
+                    target = "socket:"
+                elif kind in (0, stat.S_IFREG):
+                    target = os.readlink(f"/proc/self/fd/{fd}")
+                else:
+                    continue
             except OSError:
                 continue  # the listing's own descriptor, already closed
             if target.startswith(("socket:", "anon_inode:")):
@@ -382,14 +401,31 @@ def _forget_inherited_forkserver() -> None:
         server._forkserver_address = None
 
 
+def _loaded_libc() -> Any:
+    """The C library's functions, looked up in the process that imports this module (the
+    kernel), so that a forked rank finds them ready: looking them up took a forked rank a
+    quarter of a millisecond before its function could start."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl  # noqa: B018 (resolved now: ctypes keeps the function on the object)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_LIBC = _loaded_libc()
+
+
 def _die_with_parent() -> None:
     """If the kernel (or the forkserver) dies, the rank must not outlive it."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
+    libc = _LIBC
+    if libc is not None:
         pr_set_pdeathsig, pr_set_child_subreaper = 1, 36
         with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
             # What a rank's daemon leaves orphaned (double fork) is re-parented to the rank,
             # not to init, so the rank still finds it when it ends (see _exit).

@@ -40,27 +40,48 @@ NO_ANSWER = "did not say where it was"
 
 class Answerer:
     """In a launched rank: the side thread that says where the thread running the function
-    is, and wakes that thread for its signal handlers (``signal_wake``)."""
+    is, wakes that thread for its signal handlers (``signal_wake``), and does one more duty
+    every ``every[0]`` seconds (the rank's memory readings).
+
+    One side thread for all three: each thread a rank starts takes Python's lock from the
+    function's thread for a moment, and on a busy machine that moment waits for the
+    scheduler to run it (milliseconds a thread in a short launch).
+    """
 
     def __init__(
-        self, asks_fd: int, send: Callable[[Whereabouts], None], wake: SignalWake | None
+        self,
+        asks_fd: int,
+        send: Callable[[Whereabouts], None],
+        wake: SignalWake | None,
+        every: tuple[float, Callable[[], None]] | None = None,
     ) -> None:
         self.phase = "starting"
         self._thread = _thread.get_ident()  # the thread that runs the function
         self._send = send
         self._wake = wake
+        self._every = every
         # Nothing waits for the thread to start (on a busy machine that costs milliseconds).
         _thread.start_new_thread(self._serve, (asks_fd,))
 
     def _serve(self, asks_fd: int) -> None:
         wake = self._wake
         watched = [asks_fd] if wake is None else [asks_fd, wake.fd]
-        while watched:
+        interval, duty = self._every or (0.0, None)
+        duty_at = time.monotonic() + interval if duty is not None else None
+        while watched or duty_at is not None:
             waiting = wake is not None and wake.waiting
+            timeout = RETRY_S if waiting else None
+            if duty_at is not None:
+                until_duty = max(0.0, duty_at - time.monotonic())
+                timeout = until_duty if timeout is None else min(timeout, until_duty)
             try:
-                readable, _, _ = select.select(watched, [], [], RETRY_S if waiting else None)
+                readable, _, _ = select.select(watched, [], [], timeout)
             except (OSError, ValueError):
                 return
+            if duty is not None and duty_at is not None and time.monotonic() >= duty_at:
+                with contextlib.suppress(Exception):  # a duty must never end the thread
+                    duty()
+                duty_at = time.monotonic() + interval
             if wake is not None:
                 if wake.fd in readable:
                     wake.readable()

@@ -16,7 +16,7 @@ from notebook_launcher import (
     notebook_launcher,
 )
 from notebook_launcher.launcher import printer
-from notebook_launcher.launcher.events import OutputLine, RankFinished
+from notebook_launcher.launcher.events import OutputLine, RankFinished, RankMemory
 from tests.conftest import run_script
 from tests.support.ports import free_port
 from tests.support.tiers import fork_quick
@@ -587,3 +587,74 @@ def test_a_garbled_message_pipe_fails_the_rank_with_a_clear_error(leak_check):
     assert "the messages of rank 0 to the notebook could not be read (UnpicklingError" in str(
         caught.value
     )
+
+
+def hold_memory_until_seen(flag: str) -> bool:
+    held = bytearray(96 << 20)  # written: resident, so the peak grows by 96 MB
+    deadline = time.monotonic() + 120  # a safety net: the flag comes about a second in
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    del held
+    return os.path.exists(flag)
+
+
+class MemoryWatcher:
+    """Creates ``flag`` once every rank sent a reading of its memory holding 96 MB."""
+
+    def __init__(self, flag: str) -> None:
+        self.flag = flag
+        self.seen: set[int] = set()
+
+    def on_event(self, event: object) -> None:
+        if isinstance(event, RankMemory) and event.peak_bytes >= 96 << 20:
+            self.seen.add(event.rank)
+            if len(self.seen) == 2:
+                open(self.flag, "w").close()
+
+
+def test_a_ranks_memory_reaches_the_notebook_while_its_function_still_runs(tmp_path, leak_check):
+    # The readings of a running rank are taken by its side thread, about once a second (the
+    # final one comes after the function): a rank that holds its memory until the notebook
+    # saw a reading returns True.
+    flag = str(tmp_path / "seen")
+    watcher = MemoryWatcher(flag)
+    seen = notebook_launcher(
+        hold_memory_until_seen, (flag,), num_processes=2, observers=[watcher], return_all=True
+    )
+    assert seen == [True, True]
+
+
+def what_each_fd_is(fds: dict[str, int]) -> dict[str, str]:
+    found = {}
+    for name, fd in fds.items():
+        try:
+            found[name] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            found[name] = "closed"
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="Linux lists descriptors in /proc")
+def test_a_forked_rank_lets_go_of_the_kernels_sockets_and_event_descriptors_only(
+    tmp_path, leak_check
+):
+    # A kernel holds ZMQ sockets and an event loop's epoll and eventfds; a forked rank must
+    # not keep them, but a file or pipe the notebook opened may be what the function reads.
+    import select
+    import socket
+
+    listener, poller, event = socket.socket(), select.epoll(), os.eventfd(0)
+    read_end, write_end = os.pipe()
+    data = open(tmp_path / "data.txt", "w")
+    fds = {
+        "socket": listener.fileno(), "epoll": poller.fileno(), "eventfd": event,
+        "pipe": read_end, "file": data.fileno(),
+    }  # fmt: skip
+    try:
+        seen = notebook_launcher(what_each_fd_is, (fds,), num_processes=1, start_method="fork")
+    finally:
+        listener.close(), poller.close(), data.close()
+        for fd in (event, read_end, write_end):
+            os.close(fd)
+    assert seen["socket"] == seen["epoll"] == seen["eventfd"] == os.devnull
+    assert seen["pipe"].startswith("pipe:") and seen["file"] == str(tmp_path / "data.txt")
