@@ -2,10 +2,13 @@
 
 Each contender launches the same N-rank job many times in this one process (gloo init,
 one all_reduce, destroy, return), in interleaved rounds so that machine noise hits all
-of them alike. Prints medians and ratios for each N; also how long a rank's exception
-takes to surface as the caller's exception.
+of them alike; each round starts one contender later than the last. Prints medians and
+ratios for each N; also how long a rank's exception takes to surface as the caller's
+exception. On the 2-core machine single launches of the same job vary by a third; with
+15 rounds the ratio of two medians moved by 0.1 between runs of the same code, with 60 by
+about 0.02.
 
-    python benchmarks/bench_launch.py [--rounds 15] [--world-sizes 2,4,8] [--no-accelerate]
+    python benchmarks/bench_launch.py [--rounds 60] [--world-sizes 2,4,8] [--no-accelerate]
 """
 
 from __future__ import annotations
@@ -88,8 +91,12 @@ def measure(rounds: int, with_accelerate: bool) -> None:
     for launch in contenders.values():  # warm-up: imports, the forkserver's first start
         launch()
     times: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(rounds):
-        for name, launch in contenders.items():
+    order = list(contenders.items())
+    for round_ in range(rounds):
+        # Each round starts one contender later, so none always follows the same one
+        # (whose exit, freed memory and imports it would otherwise always inherit).
+        shift = round_ % len(order)
+        for name, launch in order[shift:] + order[:shift]:
             started = time.perf_counter()
             launch()
             times[name].append(time.perf_counter() - started)
@@ -129,7 +136,7 @@ def _floats_in(text: str) -> list[str]:
 def main() -> None:
     global WORLD_SIZE
     parser = argparse.ArgumentParser(description="launch overhead, side by side")
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--world-sizes", default="2", help="rank counts, e.g. 2,4,8")
     parser.add_argument("--no-accelerate", action="store_true", help="leave accelerate out")
     options = parser.parse_args()
