@@ -65,19 +65,31 @@ class Answerer:
 
     def _serve(self, asks_fd: int) -> None:
         wake = self._wake
-        watched = [asks_fd] if wake is None else [asks_fd, wake.fd]
+        # poll, not select: a kernel holding a thousand descriptors gives its ranks' pipes
+        # numbers that select() refuses.
+        watched = select.poll()
+        watching = {asks_fd} if wake is None else {asks_fd, wake.fd}
+        for fd in watching:
+            watched.register(fd, select.POLLIN)
         interval, duty = self._every or (0.0, None)
         duty_at = time.monotonic() + interval if duty is not None else None
-        while watched or duty_at is not None:
+        while watching or duty_at is not None:
             waiting = wake is not None and wake.waiting
             timeout = RETRY_S if waiting else None
             if duty_at is not None:
                 until_duty = max(0.0, duty_at - time.monotonic())
                 timeout = until_duty if timeout is None else min(timeout, until_duty)
             try:
-                readable, _, _ = select.select(watched, [], [], timeout)
-            except (OSError, ValueError):
+                events = watched.poll(None if timeout is None else timeout * 1000)
+            except OSError:
                 return
+            readable = set()
+            for fd, event in events:
+                if event & select.POLLNVAL:  # closed by the function: never readable again
+                    watched.unregister(fd)
+                    watching.discard(fd)
+                else:
+                    readable.add(fd)
             if duty is not None and duty_at is not None and time.monotonic() >= duty_at:
                 with contextlib.suppress(Exception):  # a duty must never end the thread
                     duty()
@@ -94,7 +106,8 @@ class Answerer:
             except OSError:
                 asked = b""
             if not asked:  # the kernel closed its end: nobody will ask again
-                watched.remove(asks_fd)
+                watched.unregister(asks_fd)
+                watching.discard(asks_fd)
                 continue
             with contextlib.suppress(Exception):  # a look must never harm the rank
                 frame = main_thread_frame(self._thread)

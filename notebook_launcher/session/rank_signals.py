@@ -162,10 +162,14 @@ class SignalWatch:
     def _watch(self, read_fd: int) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})  # blocked in the main thread
         interrupted = False  # an interrupt the main thread has not answered yet
+        # poll, not select: a rank forked from a kernel holding a thousand descriptors gets
+        # pipe numbers that select() refuses.
+        watched = select.poll()
+        watched.register(read_fd, select.POLLIN)
         while True:
             if interrupted:
                 # Looks are taken between reads, so "what are you doing?" is still answered.
-                readable, _, _ = select.select([read_fd], [], [], LOOK_AFTER_S)
+                readable = watched.poll(LOOK_AFTER_S * 1000)
                 if self._idle.is_set():
                     interrupted = False
                 elif not readable:

@@ -658,3 +658,28 @@ def test_a_forked_rank_lets_go_of_the_kernels_sockets_and_event_descriptors_only
             os.close(fd)
     assert seen["socket"] == seen["epoll"] == seen["eventfd"] == os.devnull
     assert seen["pipe"].startswith("pipe:") and seen["file"] == str(tmp_path / "data.txt")
+
+
+def test_a_kernel_holding_a_thousand_descriptors_still_hears_from_its_ranks_side_thread(
+    tmp_path, leak_check
+):
+    # The rank's pipes then get numbers past 1024, which select() refuses.
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        pytest.skip(f"this process may open {soft} descriptors")
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        flag = str(tmp_path / "seen")
+        seen = notebook_launcher(
+            hold_memory_until_seen,
+            (flag,),
+            num_processes=2,
+            observers=[MemoryWatcher(flag)],
+            return_all=True,
+        )
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert seen == [True, True]

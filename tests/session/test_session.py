@@ -529,3 +529,28 @@ def test_status_from_another_thread_while_a_cell_runs_says_what_and_where(sessio
         LaunchTypeError, match=r"^timeout=-1 must be a number of seconds above 0, or None\.$"
     ):
         session.execute("1", timeout=-1)
+
+
+def test_a_kernel_holding_a_thousand_descriptors_can_still_stop_a_rank_in_a_collective():
+    # The ranks' own pipes then get numbers past 1024, which select() refuses.
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1200:
+        pytest.skip("this process may not open 1200 descriptors")
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        with Session(
+            num_processes=2, hardware="cpu", observers=[_StopButtonWhen("waiting", 2)]
+        ) as session:
+            code = (
+                "import time\n"
+                "if rank == 0:\n    work = torch.distributed.all_reduce(torch.ones(8), async_op=True)\n"
+                "    print('waiting', flush=True)\n    work.wait()\n"
+                "else:\n    print('waiting', flush=True)\n    time.sleep(600)\n"
+            )
+            with pytest.raises(KeyboardInterrupt, match=r"interrupted on rank\(s\) 0, 1"):
+                session.execute(code)
+            assert session.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
+    finally:
+        for fd in held:
+            os.close(fd)

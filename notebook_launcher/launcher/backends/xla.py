@@ -307,8 +307,11 @@ class XlaRankControl(RankControl):
         if self._pidfd is not None:
             import select
 
-            readable, _, _ = select.select([self._pidfd], [], [], 0)
-            return bool(readable)
+            # poll, not select: in a kernel holding a thousand descriptors the pidfd's
+            # number is past what select() takes.
+            watched = select.poll()
+            watched.register(self._pidfd, select.POLLIN)
+            return bool(watched.poll(0))
         try:
             with open(f"/proc/{self.pid}/stat", "rb") as stat:
                 return stat.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
