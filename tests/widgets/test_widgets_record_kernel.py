@@ -12,9 +12,8 @@ from collections.abc import Iterator
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
-from tests.support.kernel_driver import RunningKernel
+from tests.support.kernel_driver import RunningKernel, execute_notebook
 
 pytestmark = [pytest.mark.kernel, pytest.mark.timeout(300)]
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -23,7 +22,7 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 CELLS = [
     """
     import math, os
-    from notebook_launcher import notebook_launcher, launches
+    from notebook_launcher import Accelerator, notebook_launcher, launches
 
     def train(steps):
         from notebook_launcher import Accelerator
@@ -38,6 +37,9 @@ CELLS = [
     """
     def fails(steps):
         train(steps)
+        # Each rank's metrics leave before it waits: none is lost when rank 1's failure
+        # stops rank 0 at once.
+        Accelerator().wait_for_everyone()
         if os.environ["RANK"] == "1":
             raise ValueError("\\x1b[31mlearning rate too large\\x1b[0m")
     try:
@@ -62,8 +64,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
         env.setenv(
             "PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         )
-        NotebookClient(notebook, timeout=240, kernel_name="python3",
-                       resources={"metadata": {"path": str(folder)}}).execute()  # fmt: skip
+        execute_notebook(notebook, str(folder), timeout=240)
     path = folder / "launch.ipynb"
     nbformat.write(notebook, path)
     return path
