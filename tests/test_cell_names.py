@@ -8,6 +8,7 @@ Colab's and Kaggle's (IPython 7.34) and in others (IPython 8, 9) covers each ver
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -36,12 +37,11 @@ def _plain(text: str) -> str:
 @pytest.fixture(scope="module")
 def executed():
     nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("nbclient")
+    from tests.support.kernel_driver import execute_notebook
+
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
-    client = nbclient.NotebookClient(
-        notebook, timeout=600, kernel_name="python3", allow_errors=True
-    )
-    client.execute()
+    execute_notebook(notebook, str(Path.cwd()), timeout=600, allow_errors=True)
     return notebook
 
 

@@ -20,6 +20,8 @@ import pytest
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
+from tests.support.kernel_driver import started_kernel
+
 pytestmark = pytest.mark.kernel
 ROOT = Path(__file__).resolve().parent.parent
 COURSE = ROOT / "examples" / "course"
@@ -30,8 +32,7 @@ WITHOUT_SESSION = {"11_end_to_end.ipynb"}  # a launch, not a session
 
 @pytest.fixture(scope="module")
 def kernel() -> Iterator[KernelManager]:
-    manager = KernelManager(kernel_name="python3")
-    manager.start_kernel(cwd=str(COURSE))
+    manager = started_kernel(cwd=str(COURSE))
     client = manager.blocking_client()
     # torch's optimizers import torch._dynamo on first use, seconds on a busy machine; once in
     # the kernel, the forked ranks of every notebook start with it.

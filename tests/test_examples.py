@@ -6,7 +6,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
+
+from tests.support.kernel_driver import execute_notebook
 
 pytestmark = pytest.mark.kernel
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -15,12 +16,7 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 def execute(name: str) -> nbformat.NotebookNode:
     notebook = nbformat.read(EXAMPLES / name, as_version=4)
-    NotebookClient(
-        notebook,
-        timeout=300,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(EXAMPLES)}},
-    ).execute()
+    execute_notebook(notebook, str(EXAMPLES), timeout=300)
     return notebook
 
 
@@ -64,12 +60,7 @@ def test_quickstart_trains_on_two_ranks_and_shows_what_each_did():
 
 def test_session_notebook_teaches_cell_by_cell_on_two_ranks():
     notebook = nbformat.read(EXAMPLES / "03_distributed_session.ipynb", as_version=4)
-    NotebookClient(
-        notebook,
-        timeout=300,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(EXAMPLES)}},
-    ).execute()
+    execute_notebook(notebook, str(EXAMPLES), timeout=300)
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
     outputs = "\n".join(
         "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")

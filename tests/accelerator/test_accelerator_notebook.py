@@ -6,9 +6,9 @@ import os
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
 from tests.support.accelerator import REPO, is_launch_variable
+from tests.support.kernel_driver import execute_notebook
 
 NOTEBOOK = REPO / "examples" / "02_accelerator_teaching.ipynb"
 pytestmark = pytest.mark.kernel
@@ -36,12 +36,7 @@ def executed(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
         env.setenv(
             "PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         )
-        NotebookClient(
-            notebook,
-            timeout=180,
-            kernel_name="python3",
-            resources={"metadata": {"path": str(NOTEBOOK.parent)}},
-        ).execute()
+        execute_notebook(notebook, str(NOTEBOOK.parent), timeout=180)
     return [cell_text(cell) for cell in notebook.cells if cell.cell_type == "code"]
 
 

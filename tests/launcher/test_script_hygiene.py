@@ -127,12 +127,12 @@ def test_forks_the_users_code_makes_in_a_rank_still_warn(tmp_path):
 
 @pytest.mark.kernel
 def test_in_a_kernel_the_launch_record_names_the_kernel_from_its_connection_file(tmp_path):
-    from jupyter_client.manager import KernelManager
+    from tests.support.kernel_driver import started_kernel
 
     # Named as a Jupyter server names a kernel's connection file: kernel-<id>.json.
-    manager = KernelManager(kernel_name="python3")
-    manager.connection_file = str(tmp_path / "kernel-5e0c1d2a-0000-4000-8000-000000000001.json")
-    manager.start_kernel()
+    manager = started_kernel(
+        connection_file=str(tmp_path / "kernel-5e0c1d2a-0000-4000-8000-000000000001.json")
+    )
     client = manager.client()
     client.start_channels()
     try:

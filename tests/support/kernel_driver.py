@@ -7,6 +7,7 @@ import queue
 import textwrap
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from jupyter_client.manager import KernelManager
 
@@ -20,10 +21,53 @@ class CellRun:
     messages: list[dict] = dataclasses.field(default_factory=list)  # every iopub message, in order
 
 
+# jupyter_client picks a kernel's ports by binding port 0 and letting go: another process
+# starting a kernel meanwhile may be handed the same port, and the kernel that binds second
+# dies at once ("Address already in use"). On a machine running two suites at once, tries
+# again with fresh ports.
+_KERNEL_START_TRIES = 3
+
+
+def started_kernel(connection_file: str | None = None, **start: Any) -> KernelManager:
+    """A python3 kernel that answered kernel_info (``start``: start_kernel's arguments,
+    such as ``cwd``); for nbclient, pass it as ``km=`` and shut it down after."""
+    for attempt in range(1, _KERNEL_START_TRIES + 1):
+        manager = KernelManager(kernel_name="python3")
+        if connection_file is not None:
+            manager.connection_file = connection_file
+        manager.start_kernel(**start)
+        client = manager.client()
+        client.start_channels()
+        try:
+            client.wait_for_ready(timeout=600)
+            return manager
+        except RuntimeError:  # "Kernel died before replying to kernel_info"
+            manager.shutdown_kernel(now=True)
+            manager.cleanup_resources()
+            if attempt == _KERNEL_START_TRIES:
+                raise
+        finally:
+            client.stop_channels()
+    raise AssertionError("unreachable")
+
+
+def execute_notebook(notebook: Any, cwd: str, **options: Any) -> None:
+    """Runs ``notebook`` with nbclient (``options``: its own) in a kernel started in ``cwd``
+    by :func:`started_kernel`, which is shut down after."""
+    from nbclient import NotebookClient
+
+    kernel = started_kernel(cwd=cwd)
+    try:
+        NotebookClient(
+            notebook, km=kernel, resources={"metadata": {"path": cwd}}, **options
+        ).execute()
+    finally:
+        kernel.shutdown_kernel(now=True)
+
+
 class RunningKernel:
     def __init__(self) -> None:
-        self.manager = KernelManager(kernel_name="python3")
-        self.manager.start_kernel()
+        self.manager = started_kernel()
         self.client = self.manager.client()
         self.client.start_channels()
         self.client.wait_for_ready(timeout=600)
