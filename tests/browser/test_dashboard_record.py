@@ -5,6 +5,7 @@ Screenshots go to docs/ (the dashboard page shows them) and artifacts/."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -159,8 +160,15 @@ def test_the_sidebar_loads_without_a_console_error_and_opens(
 ) -> None:
     from playwright.sync_api import expect
 
+    # JupyterLab times each plugin's activation and warns past a bound: on a busy machine the
+    # whole page is slow to start, which says nothing of the plugin (its activate() only adds
+    # widgets and a command).
+    slow_page = re.compile(r"is taking too long to activate|took [\d.]+ ?ms to activate")
     assert not [
-        line for line in console if "ILabShell" in line or "notebook-launcher" in line.lower()
+        line
+        for line in console
+        if ("ILabShell" in line or "notebook-launcher" in line.lower())
+        and not slow_page.search(line)
     ], console
     page.evaluate("() => window.jupyterapp.commands.execute('notebook-launcher:open-sidebar')")  # type: ignore[attr-defined]
     sidebar = page.locator("#notebook-launcher-sidebar")  # type: ignore[attr-defined]

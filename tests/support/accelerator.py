@@ -53,6 +53,16 @@ def clean_environment(**extra: str) -> dict[str, str]:
     return env
 
 
+# A port found free is let go before torchrun binds it: another suite on the machine may
+# take it meanwhile, and torchrun then fails at once; tried again on a fresh port.
+_PORT_TRIES = 3
+
+
+def lost_its_port(output: str) -> bool:
+    """Whether torchrun failed because its master port was taken meanwhile."""
+    return "EADDRINUSE" in output
+
+
 def run_torchrun(
     script: Path,
     *args: str,
@@ -60,19 +70,22 @@ def run_torchrun(
     timeout: float = 900,  # a safety net: a case takes seconds alone, up to minutes on a busy machine
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        str(script),
-        *args,
-    ]
-    result = subprocess.run(
-        command, env=env or clean_environment(), capture_output=True, text=True, timeout=timeout
-    )
+    for attempt in range(1, _PORT_TRIES + 1):
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}",
+            str(script),
+            *args,
+        ]
+        result = subprocess.run(
+            command, env=env or clean_environment(), capture_output=True, text=True, timeout=timeout
+        )
+        if not (result.returncode != 0 and lost_its_port(result.stderr) and attempt < _PORT_TRIES):
+            break
     if result.returncode != 0:
         raise AssertionError(
             f"torchrun {script.name} exited with {result.returncode}\n--- stdout\n{result.stdout[-6000:]}"
