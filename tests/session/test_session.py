@@ -249,20 +249,22 @@ class _StopButtonWhen:
                 raise KeyboardInterrupt
 
 
+# Rank 0 has issued its collective before it says so (a stop comes after both have spoken),
+# and waits in it for rank 1, which never joins.
+STUCK_IN_A_COLLECTIVE = (
+    "import time\n"
+    "if rank == 0:\n    work = torch.distributed.all_reduce(torch.ones(8), async_op=True)\n"
+    "    print('waiting', flush=True)\n    work.wait()\n"
+    "else:\n    print('waiting', flush=True)\n    time.sleep(600)\n"
+)
+
+
 def test_the_stop_button_also_frees_a_rank_blocked_in_a_collective():
     with Session(
         num_processes=2, hardware="cpu", observers=[_StopButtonWhen("waiting", 2)]
     ) as session:
-        # Rank 0 has issued its collective before it says so (the stop comes after both have
-        # spoken), and waits in it for rank 1, which never joins.
-        code = (
-            "import time\n"
-            "if rank == 0:\n    work = torch.distributed.all_reduce(torch.ones(8), async_op=True)\n"
-            "    print('waiting', flush=True)\n    work.wait()\n"
-            "else:\n    print('waiting', flush=True)\n    time.sleep(600)\n"
-        )
         with pytest.raises(KeyboardInterrupt, match=r"the cell was interrupted on rank\(s\) 0, 1"):
-            session.execute(code)
+            session.execute(STUCK_IN_A_COLLECTIVE)
         assert session.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
 
 
@@ -542,14 +544,8 @@ def test_a_kernel_holding_a_thousand_descriptors_can_still_stop_a_rank_in_a_coll
         with Session(
             num_processes=2, hardware="cpu", observers=[_StopButtonWhen("waiting", 2)]
         ) as session:
-            code = (
-                "import time\n"
-                "if rank == 0:\n    work = torch.distributed.all_reduce(torch.ones(8), async_op=True)\n"
-                "    print('waiting', flush=True)\n    work.wait()\n"
-                "else:\n    print('waiting', flush=True)\n    time.sleep(600)\n"
-            )
             with pytest.raises(KeyboardInterrupt, match=r"interrupted on rank\(s\) 0, 1"):
-                session.execute(code)
+                session.execute(STUCK_IN_A_COLLECTIVE)
             assert session.execute(ALL_REDUCE) == [[3.0] * 8, [3.0] * 8]
     finally:
         for fd in held:
