@@ -34,7 +34,7 @@ def _run(
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=900,  # a safety net: seconds alone, minutes on a machine at load 30
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("printed once, by the main process") == 1, result.stdout

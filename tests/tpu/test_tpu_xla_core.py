@@ -94,7 +94,7 @@ def test_dispatched_batches_reach_v3_replicas_that_are_threads_of_one_process(
 ):
     # The dispatch runs collectives: in the replica's own thread, never in the loader's,
     # which is no replica of its own (both replicas of a process would speak as one).
-    values = notebook_launcher(cases.dispatched_samples, timeout=240, return_all=True)
+    values = notebook_launcher(cases.dispatched_samples, timeout=900, return_all=True)
     assert len(values) == 4 and all(len(v) == 4 for v in values)  # the first replica of each rank
     assert len({name for v in values for name in v}) == 16
 
