@@ -41,6 +41,9 @@ def favour(pid: int, niceness: int = -10) -> None:
         psutil.Process(pid).nice(niceness)
 
 
+_PORT_TRIES = 3  # starts of a node whose ports clashed with another component's
+
+
 @dataclasses.dataclass
 class RayNode:
     node_id: str
@@ -72,23 +75,28 @@ class LoopbackRayCluster:
         }
         if self.nodes:
             spec["gcs_address"] = self.address
-        # One start: the node waits for its raylet's registration however long a busy
-        # machine makes it (ray_node_host.py), and says at once when the raylet died.
-        host = subprocess.Popen(
-            [sys.executable, HOST, json.dumps(spec)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=self.env,
-            text=True,
-        )
-        self._hosts.append(host)
-        favour(host.pid)  # before it has imported Ray, let alone started the node
-        assert host.stdout is not None
-        line = host.stdout.readline()
-        info = json.loads(line) if line.startswith("{") else {"error": f"no report: {line!r}"}
-        if "error" in info:
+        # The node waits for its raylet's registration however long a busy machine makes it
+        # (ray_node_host.py), and says at once when the raylet died. A port found free for one
+        # of its agents may have been given to another component meanwhile, which Ray refuses:
+        # started again, on fresh ports.
+        for attempt in range(1, _PORT_TRIES + 1):
+            host = subprocess.Popen(
+                [sys.executable, HOST, json.dumps(spec)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=self.env,
+                text=True,
+            )
+            self._hosts.append(host)
+            favour(host.pid)  # before it has imported Ray, let alone started the node
+            assert host.stdout is not None
+            line = host.stdout.readline()
+            info = json.loads(line) if line.startswith("{") else {"error": f"no report: {line!r}"}
+            if "error" not in info:
+                break
             self._end(host)
-            raise RuntimeError(f"a Ray node did not start: {info['error']}")
+            if attempt == _PORT_TRIES or "that is used by other components" not in info["error"]:
+                raise RuntimeError(f"a Ray node did not start: {info['error']}")
         node = RayNode(info["node_id"], info["gcs_address"], info["raylet_pid"], host)
         self.nodes.append(node)
         self.processes()  # remember them, for the end
