@@ -39,6 +39,10 @@ from notebook_launcher.launcher.channel import (
     Result,
     Steps,
 )
+from notebook_launcher.launcher.kept_groups import (
+    keep_destroyed_groups,
+    stop_keeping_destroyed_groups,
+)
 from notebook_launcher.launcher.metric_batch import numbers_of, step_of
 from notebook_launcher.launcher.signal_wake import SignalWake
 from notebook_launcher.launcher.store import SECRET_ENV, protect_env_rendezvous
@@ -132,6 +136,8 @@ def run_rank(
         function, args, kwargs = (
             cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
         )
+        if ends.commands is None and not spec.return_when_done:  # a launch's own rank
+            keep_destroyed_groups()
         if answerer is not None:
             answerer.phase = "running"
         value = function(*args, **kwargs)
@@ -160,6 +166,7 @@ def run_rank(
     # Sent before the group is released: releasing it closes the connections of peers still
     # in a collective, which fail and make the launch stop this rank, result sent or not.
     outbox.send(result)  # after the metrics still waiting to leave
+    stop_keeping_destroyed_groups()
     _release_process_group()
     if spec.return_when_done:
         _flush()

@@ -547,3 +547,38 @@ def test_a_huge_exception_message_is_cut_where_shown_and_kept_whole_in_the_excep
     assert len(shown) < 20_000  # not the message twice over (summary and traceback)
     assert caught.value.__cause__.args[0] == "e" * 10_000_000  # the rank's own exception
     assert caught.value.failures[0].message == "e" * 10_000_000
+
+
+def free_a_ddp_model_after_destroying_its_group():
+    """Thread counts of the rank: the gloo group's worker threads, and those left once the
+    group is destroyed and a DDP model, its reducer holding the group, is freed."""
+    import gc
+
+    import torch.distributed as dist
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    dist.init_process_group("gloo")
+    before = threads()
+    group = dist.new_group()
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4), process_group=group)
+    model(torch.ones(2, 4)).sum().backward()
+    with_group = threads()
+    dist.destroy_process_group(group)
+    del group, model
+    gc.collect()
+    return with_group - before, threads() - before
+
+
+def test_a_ddp_model_freed_after_its_group_was_destroyed_does_not_free_the_group(leak_check):
+    # Freeing the group from the reducer would join its workers holding the GIL while a worker
+    # may still need the GIL to release the last all-reduce: a deadlock inside torch, seen
+    # as a rank that hangs at the end of its function. The group is kept until the rank exits.
+    started, left = notebook_launcher(
+        free_a_ddp_model_after_destroying_its_group,
+        num_processes=2,
+        timeout=120,  # a safety net: it ends in a second, or hangs for good
+    )
+    assert started >= 1  # the group's gloo workers
+    assert left == started  # none joined: the group was not freed
