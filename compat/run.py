@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPAT = ROOT / "compat"
 # The test tools: not in the runtimes, installed after the install check, under the pins.
 # pytest below 9 for the reason pyproject.toml gives; safetensors for the big-model tests
-# where a runtime lacks it (the oldest floors).
+# where a runtime lacks it (the oldest floors); py-spy for the stacks of a test's kernels and
+# ranks when it runs past its safety net.
 TOOLS = [
     "pytest>=8,<9",
     "pytest-timeout>=2.3",
@@ -44,6 +45,7 @@ TOOLS = [
     "nbclient>=0.10",
     "nbformat>=5.9",
     "safetensors",
+    "py-spy",
 ]
 # Bumped when what an environment holds changes in a way the inputs above do not show.
 RECIPE = "1"

@@ -117,6 +117,24 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 _last_test = {"name": "(none yet)"}
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A test stopped by its safety net gets the stacks of the kernels and ranks below it,
+    read while they still hang (pytest-timeout shows the test process's threads only)."""
+    outcome = yield
+    report = outcome.get_result()
+    if (
+        report.failed
+        and call.excinfo is not None
+        and "from pytest-timeout" in str(call.excinfo.value)
+    ):
+        from tests.support.stacks import descendants_stacks
+
+        report.sections.append(
+            ("stacks of the test's processes at its timeout", descendants_stacks())
+        )
+
+
 @pytest.fixture(autouse=True)
 def _default_sigint(request: pytest.FixtureRequest) -> Iterator[None]:
     """Each test starts with Python's own SIGINT handler; a test that left another one is

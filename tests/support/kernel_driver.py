@@ -65,6 +65,9 @@ def execute_notebook(notebook: Any, cwd: str, **options: Any) -> None:
         kernel.shutdown_kernel(now=True)
 
 
+_ALIVE_CHECK_S = 5  # how often a cell's wait looks whether the kernel is still alive
+
+
 class RunningKernel:
     def __init__(self) -> None:
         self.manager = started_kernel()
@@ -99,8 +102,14 @@ class RunningKernel:
             if remaining <= 0:
                 raise TimeoutError(f"cell did not finish in {timeout}s; so far: {cell}")
             try:
-                message = self.client.get_iopub_msg(timeout=remaining)
+                # In slices: a kernel that died sends nothing more, and is named at once.
+                message = self.client.get_iopub_msg(timeout=min(remaining, _ALIVE_CHECK_S))
             except queue.Empty:
+                if not self.manager.is_alive():
+                    raise AssertionError(
+                        f"the kernel (pid {self.pid}) died while the cell ran, exit status "
+                        f"{self.manager.provisioner.process.poll()}; so far: {cell}"  # type: ignore[union-attr]
+                    ) from None
                 continue
             if message["parent_header"].get("msg_id") != msg_id:
                 continue
