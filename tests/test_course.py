@@ -373,9 +373,19 @@ def test_07_failures_are_reported_debugged_and_the_session_recovers(run):
     assert "SIGKILL" in killed.evalue or "signal 9" in killed.evalue
     out = text(cells)
     assert "the default process-group timeout: 0:30:00" in out
-    # The mismatched collective hangs until the group's 2-second timeout, on both ranks.
-    hung = re.findall(r"\[rank(\d)\]: after (\d+\.\d) s: .*Timed out waiting 2000ms", out)
-    assert sorted(r for r, _ in hung) == ["0", "1"] and all(float(s) >= 1.9 for _, s in hung)
+    # The mismatched collective hangs until the group's 2-second timeout. The barrier starts
+    # both ranks together; one that a busy machine still held back past its peer's timeout
+    # sees the peer close the connection instead.
+    ended = {
+        r: (float(s), why)
+        for r, s, why in re.findall(r"\[rank(\d)\]: after (\d+\.\d) s: (.*)", out)
+    }
+    assert sorted(ended) == ["0", "1"], out
+    timed_out = [r for r, (s, why) in ended.items() if why.startswith("Timed out waiting 2000ms")]
+    assert timed_out and all(ended[r][0] >= 1.9 for r in timed_out), ended
+    assert all(
+        r in timed_out or "Connection closed by peer" in why for r, (_, why) in ended.items()
+    )
     # With TORCH_DISTRIBUTED_DEBUG=DETAIL it fails at once, naming both collectives.
     assert "Op type: ALLREDUCEvs BROADCAST" in out and "Op type: BROADCASTvs ALLREDUCE" in out
     # py-spy shows rank 0's stack, stuck in recv from the notebook's cell.
