@@ -96,8 +96,11 @@ def stuck_or_deaf():
         signal.pthread_sigmask(signal.SIG_BLOCK, set(signal.Signals) - {signal.SIGKILL})
         print("deaf", flush=True)
         time.sleep(600)
-    print("stuck", flush=True)
-    ctypes.PyDLL(None).sleep(600)  # PyDLL: the call keeps Python's lock
+    # Said from C right before the C call that keeps Python's lock (PyDLL): no Python code of
+    # the rank runs in between, so once the line is seen the rank can no longer answer.
+    libc = ctypes.PyDLL(None)
+    libc.write(1, b"stuck\n", 6)
+    libc.sleep(600)
 
 
 @SLOW
