@@ -15,8 +15,13 @@ import pytest
 import torch
 
 from notebook_launcher import launches, notebook_launcher
-from tests.support.accelerator import SCRIPTS, clean_environment, lost_its_port, run_torchrun
-from tests.support.ports import free_port
+from tests.support.accelerator import (
+    SCRIPTS,
+    clean_environment,
+    lost_its_port,
+    run_torchrun,
+    torchrun_command,
+)
 
 pytest.importorskip("peft")
 pytest.importorskip("trl")
@@ -39,14 +44,9 @@ pytestmark = pytest.mark.slow(
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ours_dir = tmp_path_factory.mktemp("ours")
     torchrun_dir = tmp_path_factory.mktemp("torchrun")
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-        str(SCRIPTS / "finetune_pair.py"), str(torchrun_dir),
-    ]  # fmt: skip
     # torchrun runs while the launch runs: both spend most of their time importing.
     with subprocess.Popen(
-        command,
+        torchrun_command(SCRIPTS / "finetune_pair.py", str(torchrun_dir)),
         env=clean_environment(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -63,6 +63,20 @@ def lost_its_port(output: str) -> bool:
     return "EADDRINUSE" in output
 
 
+def torchrun_command(script: Path, *args: str, nproc: int = 2) -> list[str]:
+    """torchrun of ``script`` on loopback, its master on a port found free now."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        str(script),
+        *args,
+    ]
+
+
 def run_torchrun(
     script: Path,
     *args: str,
@@ -71,18 +85,12 @@ def run_torchrun(
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     for attempt in range(1, _PORT_TRIES + 1):
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={nproc}",
-            "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}",
-            str(script),
-            *args,
-        ]
         result = subprocess.run(
-            command, env=env or clean_environment(), capture_output=True, text=True, timeout=timeout
+            torchrun_command(script, *args, nproc=nproc),
+            env=env or clean_environment(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
         if not (result.returncode != 0 and lost_its_port(result.stderr) and attempt < _PORT_TRIES):
             break

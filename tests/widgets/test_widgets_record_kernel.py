@@ -22,7 +22,7 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 CELLS = [
     """
     import math, os
-    from notebook_launcher import Accelerator, notebook_launcher, launches
+    from notebook_launcher import notebook_launcher, launches
 
     def train(steps):
         from notebook_launcher import Accelerator
@@ -36,6 +36,7 @@ CELLS = [
     "notebook_launcher(train, args=(8,), num_processes=2)",
     """
     def fails(steps):
+        from notebook_launcher import Accelerator
         train(steps)
         # Each rank's metrics leave before it waits: none is lost when rank 1's failure
         # stops rank 0 at once.
