@@ -83,7 +83,11 @@ class RunningKernel:
         return self.collect(self.submit(code), timeout)
 
     def submit(self, code: str) -> str:
-        return self.client.execute(textwrap.dedent(code))
+        # Each cell stands alone. With stop_on_error, a cell that raised sets the kernel
+        # aborting until its event loop's next turn, and a cell sent at once after the error
+        # (as the next test line does) may be aborted unrun: ipykernel answers it with an idle
+        # status alone, seen on a busy machine as an empty result or a wait for output.
+        return self.client.execute(textwrap.dedent(code), stop_on_error=False)
 
     def collect(
         self,
